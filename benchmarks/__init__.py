@@ -1,0 +1,1 @@
+"""Benchmarks for the attention kernels (GPU only; see benchmarks/attention.py)."""

@@ -1,0 +1,45 @@
+"""Plain-jnp attention: the `"xla"` implementation and the reference every kernel is tested against.
+
+Materialises the [B, Hq, Sq, Sk] scores, so it is for checking and for small shapes. Run in float64
+(under `jax.enable_x64(True)`) it is the golden; in the compute dtype it is the "naive" reference of
+the tolerance rule. Gradients come from JAX autodiff.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_attn.spec import AttentionSpec, visible
+
+
+def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec):
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], ids [B, Sq]/[B, Sk] or None -> (out, lse [B, Hq, Sq])."""
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    # [B, Hkv, G, Sq, Sk]: query head h = kv_head * G + g reads kv head `kv_head`.
+    qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=spec.precision,
+                   preferred_element_type=jnp.float32 if q.dtype != jnp.float64 else None)
+    s = s * spec.scale
+    if spec.softcap is not None:
+        s = spec.softcap * jnp.tanh(s / spec.softcap)
+    rows = jnp.arange(q_len)[:, None]
+    cols = jnp.arange(kv_len)[None, :]
+    seg_q = q_seg[:, None, None, :, None] if spec.has_segments else None
+    seg_k = kv_seg[:, None, None, None, :] if spec.has_segments else None
+    mask = visible(spec, rows, cols, kv_len, seg_q, seg_k)
+    mask = jnp.broadcast_to(mask, s.shape)
+    s = jnp.where(mask, s, -jnp.inf)
+    # Softmax that stays finite on rows with no visible key (output 0, lse -inf, zero grads).
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    empty = l == 0
+    p = p / jnp.where(empty, 1.0, l)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, precision=spec.precision)
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    out = out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
+    lse = lse.reshape(batch, num_heads, q_len)
+    return out, lse
