@@ -116,8 +116,9 @@ def _scores(q, k, spec, *, k_major=False):
 
 
 def _mask(spec, st: _Static, s, rows, cols, q_seg, kv_seg):
-    """Set scores of invisible (row, col) pairs to -inf."""
-    return jnp.where(visible(spec, rows, cols, st.kv_len, q_seg, kv_seg), s, -jnp.inf)
+    """Set scores of invisible (row, col) pairs to -inf; also return the mask."""
+    mask = visible(spec, rows, cols, st.kv_len, q_seg, kv_seg)
+    return jnp.where(mask, s, -jnp.inf), mask
 
 
 def _needs_mask(st: _Static, block_k: int) -> bool:
@@ -161,7 +162,7 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         if masked:
             cols = start + jnp.arange(block_k)
             kv_seg = kv_seg_ref[pl.ds(start, block_k)][None, :] if spec.has_segments else None
-            s = _mask(spec, st, s, rows[:, None], cols[None, :], q_seg, kv_seg)
+            s, _ = _mask(spec, st, s, rows[:, None], cols[None, :], q_seg, kv_seg)
         # online softmax update; a row that has seen only masked keys keeps m = -inf, so the
         # exponent uses 0 in its place and every p of that row is exp2(-inf) = 0, never NaN.
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -248,13 +249,15 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *
             if masked:
                 rows = (start + jnp.arange(block_q))[None, :]
                 q_seg = q_seg_ref[pl.ds(start, block_q)][None, :] if spec.has_segments else None
-                s = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
+                s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
             p = jnp.exp2(s - lse2[None, :])
             dv = dv + _dot(p.astype(do.dtype), do, spec)
             dp = _dot(v, do, spec, trans_b=True)
             ds = p * (dp - delta[None, :])
             if t is not None:  # soft cap: d/draw [cap * tanh(raw * scale / cap)] = scale * (1 - t^2)
                 ds = ds * (1.0 - t * t)
+            if masked:  # p = 0 there, but dp may be inf (huge masked values): 0 * inf = NaN
+                ds = jnp.where(mask, ds, 0.0)
             dk = dk + _dot(ds.astype(q.dtype), q, spec)
             return dk, dv
 
@@ -290,12 +293,14 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *re
         if masked:
             cols = (start + jnp.arange(block_k))[None, :]
             kv_seg = kv_seg_ref[pl.ds(start, block_k)][None, :] if spec.has_segments else None
-            s = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
+            s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
         p = jnp.exp2(s - lse2)
         dp = _dot(do, v, spec, trans_b=True)
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
+        if masked:
+            ds = jnp.where(mask, ds, 0.0)
         return dq + _dot(ds.astype(k.dtype), k, spec)
 
     dq = _visit(ranges_ref, body, jnp.zeros((block_q, head_dim), jnp.float32),

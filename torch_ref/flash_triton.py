@@ -1,0 +1,606 @@
+"""Triton kernels for FlashAttention (forward, dK/dV, dQ) and their launch wrappers.
+
+Read top to bottom: block configuration, shared device helpers, the forward kernel, the two
+backward kernels, then the host-side launchers used by `torch_ref.flash`.
+
+Layout is BSHD everywhere: q/o/dq `[B, Sq, Hq, D]`, k/v/dk/dv `[B, Sk, Hkv, D]`; strides are
+passed explicitly so any strided view works. Softmax statistics are fp32. Internally the kernels
+work in base 2 (`exp2`, log2(e) folded into the score multiplier); the row statistic they share
+is `lse2 = log2 sum_j 2^(s2_ij)` `[B, Hq, Sq]` fp32, the natural-log `lse` is `lse2 * ln 2`.
+
+Masking model: a key block is either *interior* (every key visible to every real query row of the
+tile, ignoring segments) or *boundary*. Blocks that no row of the tile can see are never visited;
+interior blocks skip the positional mask; boundary blocks (diagonal, window edges, the ragged end
+of the sequence) apply it. Segment ids are data, so with segments every visited block is masked.
+
+Importing this module imports triton: the interpreter (`TRITON_INTERPRET=1`) must be chosen in
+the environment before that happens.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Whether the @triton.jit functions below were built for the interpreter (fixed at import).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_HEAD_DIM = 256
+
+
+# ----------------------------------------------------------------------------------------------
+# Block configuration
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Tile sizes and launch parameters of the three kernels.
+
+    fwd:  program = BLOCK_M query rows, loops over key tiles of BLOCK_N.
+    dkdv: program = dkdv_block_n key rows, loops over query tiles of dkdv_block_m (all GQA heads).
+    dq:   program = dq_block_m query rows, loops over key tiles of dq_block_n.
+    block_d is the head dim rounded up to a power of two (>= 16, the tl.dot minimum).
+    """
+
+    block_d: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    dkdv_block_m: int
+    dkdv_block_n: int
+    dq_block_m: int
+    dq_block_n: int
+    bwd_num_warps: int
+    bwd_num_stages: int
+
+
+def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> FlashConfig:
+    """Heuristic on head dim and element size.
+
+    GPU tiles follow the usual FlashAttention-2 sizes for Hopper/Ampere: big query tiles in the
+    forward and dQ, big key tiles in dK/dV, shrinking as the head dim (registers for the fp32
+    accumulators) and the element size (shared memory for the pipelined K/V or Q/dO tiles) grow.
+    The interpreter gets small tiles so CPU tests stay fast while still exercising ragged edges.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if not on_gpu:
+        return FlashConfig(block_d, 16, 32, 4, 1, 16, 32, 16, 32, 4, 1)
+    wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
+    if block_d <= 64:
+        fwd = (128, 64, 4, 3) if not wide else (64, 64, 4, 2)
+        bwd = (32, 128, 128, 32, 4, 3) if not wide else (32, 64, 64, 32, 4, 2)
+    elif block_d <= 128:
+        fwd = (128, 64, 8, 3) if not wide else (64, 32, 4, 2)
+        bwd = (32, 128, 128, 32, 8, 2) if not wide else (16, 64, 64, 16, 4, 2)
+    else:  # 256
+        fwd = (64, 32, 4, 2) if not wide else (32, 32, 4, 1)
+        bwd = (16, 64, 64, 16, 8, 1) if not wide else (16, 32, 32, 16, 4, 1)
+    return FlashConfig(block_d, *fwd, *bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _load_2d(ptrs, r_ok, c_ok, CHECK_R: tl.constexpr, CHECK_C: tl.constexpr):
+    """Load a 2-D tile; out-of-range rows/cols read 0. Checks compiled in only where needed."""
+    if CHECK_R and CHECK_C:
+        x = tl.load(ptrs, mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+    elif CHECK_R:
+        x = tl.load(ptrs, mask=r_ok[:, None], other=0.0)
+    elif CHECK_C:
+        x = tl.load(ptrs, mask=c_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _tanh(x):
+    """fp32 tanh within ~2 ulp (no libdevice, so it also runs in the interpreter).
+
+    |x| >= 0.55: 1 - 2 / (e^{2|x|} + 1) has no cancellation there (tanh > 0.5; |x| is clamped
+    at 15, where this already rounds to 1, so exp2 never overflows). |x| < 0.55: odd Taylor series
+    to x^15 (truncation < 1 ulp there).
+    """
+    a = tl.abs(x)
+    big = 1.0 - 2.0 / (tl.exp2(tl.minimum(a, 15.0) * 2.8853900817779268) + 1.0)
+    a2 = a * a
+    p = -0.0014558343870513183
+    p = p * a2 + 0.003592128036572481
+    p = p * a2 - 0.008863235529902197
+    p = p * a2 + 0.021869488536155203
+    p = p * a2 - 0.05396825396825397
+    p = p * a2 + 0.13333333333333333
+    p = p * a2 - 0.3333333333333333
+    small = a + a * a2 * p
+    r = tl.where(a < 0.55, small, big)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _scores(qk, score_mul, cap_mul, HAS_SOFTCAP: tl.constexpr):
+    """Raw dot products -> base-2 scores s2 = log2(e) * s, plus t = tanh(.) for the softcap.
+
+    No softcap: s2 = qk * (scale * log2 e).  Softcap c: t = tanh(qk * scale / c), s2 = t * c log2 e.
+    """
+    if HAS_SOFTCAP:
+        t = _tanh(qk * score_mul)
+        s2 = t * cap_mul
+    else:
+        t = qk  # unused
+        s2 = qk * score_mul
+    return s2, t
+
+
+@triton.jit
+def _visible(qi, kj, Sq, Sk, qs, ks, left, right, POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr):
+    """Visibility of key kj to query qi; the operands are pre-broadcast 2-D index tiles
+    ([M, 1] x [1, N] or transposed), so the same helper serves both tile orientations.
+    Rows/keys past the sequence ends are always invisible (keeps them out of row/col tests)."""
+    vis = (qi < Sq) & (kj < Sk)
+    if POSITIONAL:
+        if IS_CAUSAL:
+            vis = vis & (kj <= qi)
+        if HAS_WINDOW:
+            vis = vis & (kj >= qi - left) & (kj <= qi + right)
+    if HAS_SEGMENTS:
+        vis = vis & (qs == ks)
+    return vis
+
+
+@triton.jit
+def _split_range(lo, hi, u_lo, u_hi, BLOCK: tl.constexpr):
+    """Block indices [b_lo, f_lo) boundary, [f_lo, f_hi) interior, [f_hi, b_hi) boundary.
+
+    [lo, hi): indices some row of the tile may see; [u_lo, u_hi): indices all rows see.
+    Blocks outside [lo, hi) are skipped; a block is interior only if it lies inside [u_lo, u_hi).
+    """
+    b_hi = tl.cdiv(tl.maximum(hi, 0), BLOCK)
+    b_lo = tl.minimum(tl.maximum(lo, 0) // BLOCK, b_hi)
+    f_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(u_lo, 0), BLOCK), b_lo), b_hi)
+    f_hi = tl.maximum(tl.minimum(tl.maximum(u_hi, 0) // BLOCK, b_hi), f_lo)
+    return b_lo, f_lo, f_hi, b_hi
+
+
+@triton.jit
+def _key_blocks(m0, Sq, Sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Key-block ranges for the query tile starting at m0 (rows m0 .. m_last)."""
+    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+    lo = m0 * 0
+    hi = lo + Sk
+    u_lo = lo
+    u_hi = hi
+    if IS_CAUSAL:  # j <= i
+        hi = tl.minimum(hi, m_last + 1)
+        u_hi = tl.minimum(u_hi, m0 + 1)
+    if HAS_WINDOW:  # i - left <= j <= i + right
+        lo = tl.maximum(lo, m0 - left)
+        hi = tl.minimum(hi, m_last + right + 1)
+        u_lo = tl.maximum(u_lo, m_last - left)
+        u_hi = tl.minimum(u_hi, m0 + right + 1)
+    return _split_range(lo, hi, u_lo, u_hi, BLOCK_N)
+
+
+@triton.jit
+def _query_blocks(n0, Sq, Sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Query-block ranges for the key tile starting at n0 (keys n0 .. n_last)."""
+    n_last = tl.minimum(n0 + BLOCK_N, Sk) - 1
+    lo = n0 * 0
+    hi = lo + Sq
+    u_lo = lo
+    u_hi = hi
+    if IS_CAUSAL:  # i >= j
+        lo = tl.maximum(lo, n0)
+        u_lo = tl.maximum(u_lo, n_last)
+    if HAS_WINDOW:  # j - right <= i <= j + left
+        lo = tl.maximum(lo, n0 - right)
+        hi = tl.minimum(hi, n_last + left + 1)
+        u_lo = tl.maximum(u_lo, n_last - right)
+        u_hi = tl.minimum(u_hi, n0 + left + 1)
+    return _split_range(lo, hi, u_lo, u_hi, BLOCK_M)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd, sks_s,
+               offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, blk_lo, blk_hi,
+               BLOCK_N: tl.constexpr, CHECK_D: tl.constexpr, POSITIONAL: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    for blk in range(blk_lo, blk_hi):
+        cols = blk * BLOCK_N + offs_n
+        n_ok = cols < Sk
+        # Interior blocks lie inside [0, Sk): no bounds check on their loads.
+        kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
+        s2, t = _scores(tl.dot(q, kT, input_precision=PRECISION), score_mul, cap_mul, HAS_SOFTCAP)
+        v = _load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, POSITIONAL, CHECK_D)
+        if POSITIONAL or HAS_SEGMENTS:
+            ks = 0
+            if HAS_SEGMENTS:
+                ks = tl.load(ks_base + cols * sks_s, mask=n_ok, other=0)[None, :]
+            vis = _visible(offs_m[:, None], cols[None, :], Sq, Sk, qs, ks, left, right, POSITIONAL,
+                           IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS)
+            s2 = tl.where(vis, s2, float("-inf"))
+            # A key no row of the tile sees must not reach the PV product: 0 * NaN = NaN.
+            col_ok = tl.max(vis.to(tl.int32), axis=0) > 0
+            v = tl.where(col_ok[:, None], v, 0.0)
+        m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+        # Rows with nothing visible so far keep m = -inf; shift by a safe 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s2 - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE2, QSEG, KSEG,
+                sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
+                sqsb, sqss, sksb, skss,
+                Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(Sq, BLOCK_M), Hq, B). Writes O [B, Sq, Hq, D] and LSE2 [B, Hq, Sq] (base 2)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    hk = (h // GROUP).to(tl.int64)
+    CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Sq
+    d_ok = offs_d < HEAD_DIM
+
+    q = _load_2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True, CHECK_D)
+    qs = 0
+    if HAS_SEGMENTS:
+        qs = tl.load(QSEG + b * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    ks_base = KSEG + b * sksb
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+
+    b_lo, f_lo, f_hi, b_hi = _key_blocks(m0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
+                               offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, b_lo, f_lo,
+                               BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
+                               offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_lo, f_hi,
+                               BLOCK_N, CHECK_D, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
+                               offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi, b_hi,
+                               BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+
+    # A row that saw no key has l = 0 and acc = 0: output 0, lse2 = -inf.
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse2 = tl.where(empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, l_i)))
+    o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE2 + (b * Hq + h) * Sq + offs_m, lse2, mask=m_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dK/dV (one program per key tile and kv head, looping over its GQA group's q heads)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base,
+                sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
+                score_mul, cap_mul, blk_lo, blk_hi,
+                BLOCK_M: tl.constexpr, CHECK_D: tl.constexpr, POSITIONAL: tl.constexpr,
+                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    # Tiles are transposed ([keys, queries]) so dK, dV accumulate as [BLOCK_N, D] without trans.
+    for blk in range(blk_lo, blk_hi):
+        rows = blk * BLOCK_M + offs_m
+        m_ok = rows < Sq
+        qT = _load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
+        s2T, tT = _scores(tl.dot(k, qT, input_precision=PRECISION), score_mul, cap_mul, HAS_SOFTCAP)
+        if POSITIONAL:
+            lse2 = tl.load(lse_base + rows, mask=m_ok, other=float("inf"))
+            delta = tl.load(delta_base + rows, mask=m_ok, other=0.0)
+        else:
+            lse2 = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        # Rows that saw no key (lse = -inf) use +inf, so p = exp2(s - inf) = 0.
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+        pT = tl.exp2(s2T - lse2[None, :])
+        do = _load_2d(do_base + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, POSITIONAL, CHECK_D)
+        q = tl.trans(qT)
+        if POSITIONAL or HAS_SEGMENTS:
+            qs = 0
+            if HAS_SEGMENTS:
+                qs = tl.load(qs_base + rows * sqss, mask=m_ok, other=0)[None, :]
+            visT = _visible(rows[None, :], offs_n[:, None], Sq, Sk, qs, ks, left, right, POSITIONAL,
+                            IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS)
+            pT = tl.where(visT, pT, 0.0)
+            # Queries that see no key of this tile must not reach dK through 0 * NaN.
+            row_ok = tl.max(visT.to(tl.int32), axis=0) > 0
+            q = tl.where(row_ok[:, None], q, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        if POSITIONAL or HAS_SEGMENTS:
+            dsT = tl.where(visT, dsT, 0.0)  # dpT is NaN where a masked value is NaN
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, QSEG, KSEG,
+                     sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                     sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
+                     sqsb, sqss, sksb, skss,
+                     Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(Sk, BLOCK_N), Hkv, B). dK, dV of one key tile summed over the GQA group
+    in registers, in a fixed order: deterministic, no atomics."""
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < Sk
+    d_ok = offs_d < HEAD_DIM
+
+    k = _load_2d(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :] * skd, n_ok, d_ok, True, CHECK_D)
+    v = _load_2d(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True, CHECK_D)
+    ks = 0
+    if HAS_SEGMENTS:
+        ks = tl.load(KSEG + b * sksb + offs_n * skss, mask=n_ok, other=0)[:, None]
+    qs_base = QSEG + b * sqsb
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    b_lo, f_lo, f_hi, b_hi = _query_blocks(n0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        lse_base = LSE2 + (b * Hq + h) * Sq
+        delta_base = DELTA + (b * Hq + h) * Sq
+        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base,
+                             sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
+                             score_mul, cap_mul, b_lo, f_lo, BLOCK_M, CHECK_D, True,
+                             IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base,
+                             sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
+                             score_mul, cap_mul, f_lo, f_hi, BLOCK_M, CHECK_D, False,
+                             IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base,
+                             sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
+                             score_mul, cap_mul, f_hi, b_hi, BLOCK_M, CHECK_D, True,
+                             IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+
+    dk = dk * sm_scale  # ds/dk = scale * q (the softcap factor is already in ds)
+    mask = n_ok[:, None] & d_ok[None, :]
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
+             dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :] * sdvd,
+             dv.to(DV.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dQ (one program per query tile and q head)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, sks_s,
+              offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, blk_lo, blk_hi,
+              BLOCK_N: tl.constexpr, CHECK_D: tl.constexpr, POSITIONAL: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    for blk in range(blk_lo, blk_hi):
+        cols = blk * BLOCK_N + offs_n
+        n_ok = cols < Sk
+        kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
+        vT = _load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, POSITIONAL)
+        s2, t = _scores(tl.dot(q, kT, input_precision=PRECISION), score_mul, cap_mul, HAS_SOFTCAP)
+        p = tl.exp2(s2 - lse2[:, None])
+        dp = tl.dot(do, vT, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        if POSITIONAL or HAS_SEGMENTS:
+            ks = 0
+            if HAS_SEGMENTS:
+                ks = tl.load(ks_base + cols * sks_s, mask=n_ok, other=0)[None, :]
+            vis = _visible(offs_m[:, None], cols[None, :], Sq, Sk, qs, ks, left, right, POSITIONAL,
+                           IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS)
+            ds = tl.where(vis, ds, 0.0)
+            col_ok = tl.max(vis.to(tl.int32), axis=0) > 0
+            kT = tl.where(col_ok[None, :], kT, 0.0)  # keep 0 * NaN out of dQ
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QSEG, KSEG,
+                   sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                   sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
+                   sqsb, sqss, sksb, skss,
+                   Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(Sq, BLOCK_M), Hq, B)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    hk = (h // GROUP).to(tl.int64)
+    CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Sq
+    d_ok = offs_d < HEAD_DIM
+
+    q = _load_2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True, CHECK_D)
+    do = _load_2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
+                  CHECK_D)
+    row = (b * Hq + h) * Sq + offs_m
+    lse2 = tl.load(LSE2 + row, mask=m_ok, other=float("inf"))
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty rows: p = 0
+    delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
+    qs = 0
+    if HAS_SEGMENTS:
+        qs = tl.load(QSEG + b * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    ks_base = KSEG + b * sksb
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    b_lo, f_lo, f_hi, b_hi = _key_blocks(m0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    dq = _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
+                   offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, b_lo, f_lo,
+                   BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
+                   offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_lo, f_hi,
+                   BLOCK_N, CHECK_D, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
+                   offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi, b_hi,
+                   BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :] * sdqd,
+             dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch wrappers
+# ----------------------------------------------------------------------------------------------
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: follow torch's TF32 switch for fp32 (ieee unless allowed)."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _score_constants(scale: float, softcap: float | None) -> tuple[float, float]:
+    if softcap is None:
+        return scale * LOG2E, 1.0
+    return scale / softcap, softcap * LOG2E
+
+
+def _segment_args(q_ids, kv_ids, q):
+    """Segment tensors and their strides; dummies (never read) when there are none."""
+    if q_ids is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+        return dummy, dummy, (0, 0, 0, 0)
+    return q_ids, kv_ids, (q_ids.stride(0), q_ids.stride(1), kv_ids.stride(0), kv_ids.stride(1))
+
+
+def _flags(causal, window, q_ids, softcap):
+    return dict(IS_CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_SEGMENTS=q_ids is not None,
+                HAS_SOFTCAP=softcap is not None)
+
+
+def _device_ctx(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
+            config: FlashConfig | None = None):
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse2 [B, Hq, Sq] fp32).
+
+    lse2 is the base-2 log-sum-exp (-inf for rows with no visible key); the natural one is lse2*ln2.
+    Inputs are assumed validated (see torch_ref.flash).
+    """
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    cfg = config or default_config(D, q.dtype, q.is_cuda and not INTERPRETED)
+    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+    lse2 = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse2.fill_(float("-inf"))
+    qseg, kseg, seg_strides = _segment_args(q_ids, kv_ids, q)
+    score_mul, cap_mul = _score_constants(scale, softcap)
+    left, right = window if window is not None else (0, 0)
+    grid = (triton.cdiv(Sq, cfg.block_m), Hq, B)
+    with _device_ctx(q):
+        _fwd_kernel[grid](
+            q, k, v, out, lse2, qseg, kseg,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides,
+            Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, left, right,
+            HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+            PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **_flags(causal, window, q_ids, softcap))
+    return out, lse2
+
+
+def backward(do, q, k, v, out, lse2, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None,
+             softcap=None, dlse=None, config: FlashConfig | None = None):
+    """Gradients (dq, dk, dv) shaped like q, k, v, from dO [B, Sq, Hq, D] and optionally the
+    cotangent of the natural lse `dlse [B, Hq, Sq]`.
+
+    With P = softmax, dS = P * (dP - delta) where delta_i = sum_d dO_i O_i; a cotangent on
+    lse_i adds P_ij * dlse_i to dS_ij, i.e. it is folded in as delta_i -= dlse_i.
+    """
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    cfg = config or default_config(D, q.dtype, q.is_cuda and not INTERPRETED)
+    dq = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+    dk = torch.zeros((B, Sk, Hkv, D), dtype=k.dtype, device=k.device)
+    dv = torch.zeros((B, Sk, Hkv, D), dtype=v.dtype, device=v.device)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk, dv
+    # delta [B, Hq, Sq] fp32 (preprocess; a plain torch reduction)
+    delta = (do.float() * out.float()).sum(-1).transpose(1, 2)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta = delta.contiguous()
+    qseg, kseg, seg_strides = _segment_args(q_ids, kv_ids, q)
+    score_mul, cap_mul = _score_constants(scale, softcap)
+    left, right = window if window is not None else (0, 0)
+    common = dict(HEAD_DIM=D, BLOCK_D=cfg.block_d, PRECISION=_precision(q.dtype), num_warps=cfg.bwd_num_warps,
+                  num_stages=cfg.bwd_num_stages, **_flags(causal, window, q_ids, softcap))
+    scalars = (Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, scale, left, right)
+    with _device_ctx(q):
+        _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.dkdv_block_n), Hkv, B)](
+            q, k, v, do, lse2, delta, dk, dv, qseg, kseg,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
+            *scalars, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **common)
+        _bwd_dq_kernel[(triton.cdiv(Sq, cfg.dq_block_m), Hq, B)](
+            q, k, v, do, lse2, delta, dq, qseg, kseg,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *seg_strides,
+            *scalars, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common)
+    return dq, dk, dv
+
+
+def natural_lse(lse2: torch.Tensor) -> torch.Tensor:
+    """Base-2 lse -> natural log (keeps -inf)."""
+    return lse2 * LN2
+
+
+__all__ = ["FlashConfig", "default_config", "forward", "backward", "natural_lse", "INTERPRETED", "MAX_HEAD_DIM"]
