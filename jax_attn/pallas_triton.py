@@ -126,9 +126,11 @@ def _needs_mask(st: _Static, block_k: int) -> bool:
     return st.spec.has_position_mask or st.spec.has_segments or st.kv_len % block_k != 0
 
 
-def _visit(ranges_ref, body, carry, needs_mask: bool):
-    """Run `body(j, carry, masked)` over the visited blocks: masked edges, mask-free middle."""
-    lo, full_lo, full_hi, hi = (ranges_ref[n] for n in range(4))
+def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
+    """Run `body(j, carry, masked)` over the visited blocks: masked edges, mask-free middle.
+
+    stride > 1 visits every block `stride` times (step j covers block j // stride)."""
+    lo, full_lo, full_hi, hi = (ranges_ref[n] * stride for n in range(4))
     if not needs_mask:
         return jax.lax.fori_loop(lo, hi, functools.partial(body, masked=False), carry)
     carry = jax.lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
@@ -237,34 +239,34 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
     kv_seg = kv_seg_ref[...][:, None] if spec.has_segments else None
 
-    def head_body(g, carry):
-        def body(i, carry, masked):
-            dk, dv = carry
-            start = pl.multiple_of(i * block_q, block_q)
-            q = q_ref[pl.ds(start, block_q), g, :]
-            do = do_ref[pl.ds(start, block_q), g, :]
-            lse2 = lse2_ref[g, pl.ds(start, block_q)]
-            delta = delta_ref[g, pl.ds(start, block_q)]
-            s, t = _scores(q, k, spec, k_major=True)  # [block_k, block_q]
-            if masked:
-                rows = (start + jnp.arange(block_q))[None, :]
-                q_seg = q_seg_ref[pl.ds(start, block_q)][None, :] if spec.has_segments else None
-                s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
-            p = jnp.exp2(s - lse2[None, :])
-            dv = dv + _dot(p.astype(do.dtype), do, spec)
-            dp = _dot(v, do, spec, trans_b=True)
-            ds = p * (dp - delta[None, :])
-            if t is not None:  # soft cap: d/draw [cap * tanh(raw * scale / cap)] = scale * (1 - t^2)
-                ds = ds * (1.0 - t * t)
-            if masked:  # p = 0 there, but dp may be inf (huge masked values): 0 * inf = NaN
-                ds = jnp.where(mask, ds, 0.0)
-            dk = dk + _dot(ds.astype(q.dtype), q, spec)
-            return dk, dv
-
-        return _visit(ranges_ref, body, carry, _needs_mask(st, block_k))
+    def body(step, carry, masked):
+        # One flat loop over (query block, head of the group): no nested loops, so the compiler
+        # pipelines one loop per masked/unmasked segment.
+        dk, dv = carry
+        i, g = step // group, step % group
+        start = pl.multiple_of(i * block_q, block_q)
+        q = q_ref[pl.ds(start, block_q), g, :]
+        do = do_ref[pl.ds(start, block_q), g, :]
+        lse2 = lse2_ref[g, pl.ds(start, block_q)]
+        delta = delta_ref[g, pl.ds(start, block_q)]
+        s, t = _scores(q, k, spec, k_major=True)  # [block_k, block_q]
+        if masked:
+            rows = (start + jnp.arange(block_q))[None, :]
+            q_seg = q_seg_ref[pl.ds(start, block_q)][None, :] if spec.has_segments else None
+            s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
+        p = jnp.exp2(s - lse2[None, :])
+        dv = dv + _dot(p.astype(do.dtype), do, spec)
+        dp = _dot(v, do, spec, trans_b=True)
+        ds = p * (dp - delta[None, :])
+        if t is not None:  # soft cap: d/draw [cap * tanh(raw * scale / cap)] = scale * (1 - t^2)
+            ds = ds * (1.0 - t * t)
+        if masked:  # p = 0 there, but dp may be inf (huge masked values): 0 * inf = NaN
+            ds = jnp.where(mask, ds, 0.0)
+        dk = dk + _dot(ds.astype(q.dtype), q, spec)
+        return dk, dv
 
     zeros = jnp.zeros((block_k, head_dim), jnp.float32)
-    dk, dv = jax.lax.fori_loop(0, group, head_body, (zeros, zeros))
+    dk, dv = _visit(ranges_ref, body, (zeros, zeros), _needs_mask(st, block_k), stride=group)
     dk_ref[...] = (dk * spec.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 

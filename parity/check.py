@@ -129,6 +129,7 @@ def check_case(case: Case, device) -> list[dict]:
             "torch eager": ("torch", lambda: naive["torch"]),
         }
         for impl, (framework, run) in results.items():
+            t0 = time.time()
             try:
                 fast = run()
             except Exception as e:  # a crash is a failure of that implementation, reported
@@ -140,7 +141,8 @@ def check_case(case: Case, device) -> list[dict]:
                 factor = FORWARD_FACTOR if name in ("out", "lse") else GRADIENT_FACTOR
                 v = compare(f, n, g, NP_DTYPES[case.dtype], factor)
                 rows.append(dict(case=case.name, impl=impl, quantity=name, error=v.error,
-                                 allowed=v.allowed, ratio=v.ratio, ok=v.ok, reason=v.reason))
+                                 allowed=v.allowed, ratio=v.ratio, ok=v.ok, reason=v.reason,
+                                 seconds=time.time() - t0))
     return rows
 
 
