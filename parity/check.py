@@ -207,8 +207,11 @@ def main(argv=None) -> int:
     rows = []
     for case in cases:
         t = time.time()
-        rows += check_case(case, device)
-        print(f"  {case.name}: {time.time() - t:.1f}s", file=sys.stderr, flush=True)
+        case_rows = check_case(case, device)
+        rows += case_rows
+        failed = sorted({r["impl"] for r in case_rows if not r["ok"]})
+        verdict = "ok" if not failed else "FAIL: " + ", ".join(failed)
+        print(f"  {case.name}: {verdict} ({time.time() - t:.1f}s)", file=sys.stderr, flush=True)
     ok = _report(rows, {c.name: c.variant for c in CASES}, time.time() - start, env)
     if args.json:
         with open(args.json, "w") as f:
