@@ -155,19 +155,19 @@ class _FlashAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, kernels):
-        out, lse2 = kernels.forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
-                                    window=window, softcap=softcap)
-        ctx.save_for_backward(q, k, v, out, lse2, q_ids, kv_ids)
+        out, lse, stats = kernels.forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
+                                          window=window, softcap=softcap)
+        ctx.save_for_backward(q, k, v, out, *stats, q_ids, kv_ids)
         ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap)
         ctx.kernels = kernels
-        return out, kernels.natural_lse(lse2)
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse2, q_ids, kv_ids = ctx.saved_tensors
+        q, k, v, out, m2, inv_l, q_ids, kv_ids = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = ctx.kernels.backward(dout, q, k, v, out, lse2, q_ids=q_ids, kv_ids=kv_ids, dlse=dlse,
+        dq, dk, dv = ctx.kernels.backward(dout, q, k, v, out, (m2, inv_l), q_ids=q_ids, kv_ids=kv_ids, dlse=dlse,
                                           **ctx.opts)
         return dq, dk, dv, None, None, None, None, None, None, None
 

@@ -5,8 +5,13 @@ backward kernels, then the host-side launchers used by `torch_ref.flash`.
 
 Layout is BSHD everywhere: q/o/dq `[B, Sq, Hq, D]`, k/v/dk/dv `[B, Sk, Hkv, D]`; strides are
 passed explicitly so any strided view works. Softmax statistics are fp32. Internally the kernels
-work in base 2 (`exp2`, log2(e) folded into the score multiplier); the row statistic they share
-is `lse2 = log2 sum_j 2^(s2_ij)` `[B, Hq, Sq]` fp32, the natural-log `lse` is `lse2 * ln 2`.
+work in base 2 (`exp2`, log2(e) folded into the score multiplier: s2 = s * log2 e).
+
+Row statistics: the forward writes the public natural-log `lse` and, for the backward, the
+base-2 row max `m2` and `inv_l = 1 / sum_j 2^(s2_ij - m2)` (all `[B, Hq, Sq]` fp32). The backward
+recomputes P = 2^(s2 - m2) * inv_l: unlike 2^(s2 - lse2), it does not lose ulp(lse2) of absolute
+accuracy in the exponent, which matters for fp32 gradients. Rows with no visible key store
+m2 = +inf and inv_l = 0 (so P = 0), out 0 and lse = -inf.
 
 Masking model: a key block is either *interior* (every key visible to every real query row of the
 tile, ignoring segments) or *boundary*. Blocks that no row of the tile can see are never visited;
@@ -30,7 +35,7 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # usable inside @triton.jit
 MAX_HEAD_DIM = 256
 
 
@@ -63,24 +68,27 @@ class FlashConfig:
 def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> FlashConfig:
     """Heuristic on head dim and element size.
 
-    GPU tiles follow the usual FlashAttention-2 sizes for Hopper/Ampere: big query tiles in the
-    forward and dQ, big key tiles in dK/dV, shrinking as the head dim (registers for the fp32
-    accumulators) and the element size (shared memory for the pipelined K/V or Q/dO tiles) grow.
+    GPU tiles (sized for Hopper, H100/H200: up to 227 KB of shared memory) shrink as the head dim
+    (registers for the fp32 accumulators) and the element size (shared memory for the pipelined
+    K/V or Q/dO tiles) grow.
     The interpreter gets small tiles so CPU tests stay fast while still exercising ragged edges.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if not on_gpu:
         return FlashConfig(block_d, 16, 32, 4, 1, 16, 32, 16, 32, 4, 1)
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
+    # (BLOCK_M, BLOCK_N, warps, stages), (dkdv_m, dkdv_n, dq_m, dq_n, warps, stages). The 16-bit
+    # choices are the fastest of a small sweep on an H200 (bf16, B*H = 64, S = 4096, causal and
+    # not); fp32 ones are sized to fit shared memory and were checked to compile and pass there.
     if block_d <= 64:
         fwd = (128, 64, 4, 3) if not wide else (64, 64, 4, 2)
         bwd = (32, 128, 128, 32, 4, 3) if not wide else (32, 64, 64, 32, 4, 2)
     elif block_d <= 128:
-        fwd = (128, 64, 8, 3) if not wide else (64, 32, 4, 2)
-        bwd = (32, 128, 128, 32, 8, 2) if not wide else (16, 64, 64, 16, 4, 2)
+        fwd = (64, 64, 4, 3) if not wide else (64, 32, 4, 2)
+        bwd = (32, 64, 64, 32, 4, 3) if not wide else (16, 64, 64, 16, 4, 2)
     else:  # 256
-        fwd = (64, 32, 4, 2) if not wide else (32, 32, 4, 1)
-        bwd = (16, 64, 64, 16, 8, 1) if not wide else (16, 32, 32, 16, 4, 1)
+        fwd = (128, 64, 8, 2) if not wide else (32, 32, 4, 1)
+        bwd = (32, 64, 64, 32, 8, 2) if not wide else (16, 32, 32, 16, 4, 1)
     return FlashConfig(block_d, *fwd, *bwd)
 
 
@@ -249,14 +257,14 @@ def _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE2, QSEG, KSEG,
+def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
                 sqsb, sqss, sksb, skss,
                 Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """grid (cdiv(Sq, BLOCK_M), Hq, B). Writes O [B, Sq, Hq, D] and LSE2 [B, Hq, Sq] (base 2)."""
+    """grid (cdiv(Sq, BLOCK_M), Hq, B). Writes O [B, Sq, Hq, D]; LSE, M2, INV_L [B, Hq, Sq]."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -293,21 +301,25 @@ def _fwd_kernel(Q, K, V, O, LSE2, QSEG, KSEG,
                                offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi, b_hi,
                                BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
 
-    # A row that saw no key has l = 0 and acc = 0: output 0, lse2 = -inf.
+    # A row that saw no key has l = 0 and acc = 0: out 0, lse -inf, m2 = +inf, inv_l = 0.
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    lse2 = tl.where(empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, l_i)))
+    l_safe = tl.where(empty, 1.0, l_i)
+    inv_l = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), l_safe)  # correctly rounded, once a row
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(LSE2 + (b * Hq + h) * Sq + offs_m, lse2, mask=m_ok)
+    row = (b * Hq + h) * Sq + offs_m
+    tl.store(LSE + row, lse, mask=m_ok)
+    tl.store(M2 + row, tl.where(empty, float("inf"), m_i), mask=m_ok)
+    tl.store(INV_L + row, tl.where(empty, 0.0, inv_l), mask=m_ok)
 
 
 # ----------------------------------------------------------------------------------------------
 # Backward: dK/dV (one program per key tile and kv head, looping over its GQA group's q heads)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base,
+def _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
                 sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
                 score_mul, cap_mul, blk_lo, blk_hi,
                 BLOCK_M: tl.constexpr, CHECK_D: tl.constexpr, POSITIONAL: tl.constexpr,
@@ -320,14 +332,15 @@ def _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base
         qT = _load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
         s2T, tT = _scores(tl.dot(k, qT, input_precision=PRECISION), score_mul, cap_mul, HAS_SOFTCAP)
         if POSITIONAL:
-            lse2 = tl.load(lse_base + rows, mask=m_ok, other=float("inf"))
+            m2 = tl.load(m2_base + rows, mask=m_ok, other=float("inf"))
+            inv_l = tl.load(inv_l_base + rows, mask=m_ok, other=0.0)
             delta = tl.load(delta_base + rows, mask=m_ok, other=0.0)
         else:
-            lse2 = tl.load(lse_base + rows)
+            m2 = tl.load(m2_base + rows)
+            inv_l = tl.load(inv_l_base + rows)
             delta = tl.load(delta_base + rows)
-        # Rows that saw no key (lse = -inf) use +inf, so p = exp2(s - inf) = 0.
-        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-        pT = tl.exp2(s2T - lse2[None, :])
+        # Rows that saw no key have m2 = +inf, inv_l = 0: p = 0.
+        pT = tl.exp2(s2T - m2[None, :]) * inv_l[None, :]
         do = _load_2d(do_base + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, POSITIONAL, CHECK_D)
         q = tl.trans(qT)
         if POSITIONAL or HAS_SEGMENTS:
@@ -352,7 +365,7 @@ def _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, QSEG, KSEG,
+def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG,
                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                      sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
                      sqsb, sqss, sksb, skss,
@@ -388,17 +401,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, QSEG, KSEG,
         h = hk * GROUP + g
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
-        lse_base = LSE2 + (b * Hq + h) * Sq
+        m2_base = M2 + (b * Hq + h) * Sq
+        inv_l_base = INV_L + (b * Hq + h) * Sq
         delta_base = DELTA + (b * Hq + h) * Sq
-        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base,
+        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
                              sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
                              score_mul, cap_mul, b_lo, f_lo, BLOCK_M, CHECK_D, True,
                              IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base,
+        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
                              sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
                              score_mul, cap_mul, f_lo, f_hi, BLOCK_M, CHECK_D, False,
                              IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, lse_base, delta_base, qs_base,
+        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
                              sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
                              score_mul, cap_mul, f_hi, b_hi, BLOCK_M, CHECK_D, True,
                              IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
@@ -415,7 +429,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, QSEG, KSEG,
 # Backward: dQ (one program per query tile and q head)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, sks_s,
+def _dq_inner(dq, q, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, sks_s,
               offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, blk_lo, blk_hi,
               BLOCK_N: tl.constexpr, CHECK_D: tl.constexpr, POSITIONAL: tl.constexpr,
               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
@@ -426,7 +440,7 @@ def _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs
         kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
         vT = _load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, POSITIONAL)
         s2, t = _scores(tl.dot(q, kT, input_precision=PRECISION), score_mul, cap_mul, HAS_SOFTCAP)
-        p = tl.exp2(s2 - lse2[:, None])
+        p = tl.exp2(s2 - m2[:, None]) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -445,7 +459,7 @@ def _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QSEG, KSEG,
+def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG,
                    sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                    sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
                    sqsb, sqss, sksb, skss,
@@ -471,8 +485,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QSEG, KSEG,
     do = _load_2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
                   CHECK_D)
     row = (b * Hq + h) * Sq + offs_m
-    lse2 = tl.load(LSE2 + row, mask=m_ok, other=float("inf"))
-    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty rows: p = 0
+    m2 = tl.load(M2 + row, mask=m_ok, other=float("inf"))  # empty rows: m2 = +inf, inv_l = 0: p = 0
+    inv_l = tl.load(INV_L + row, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     qs = 0
     if HAS_SEGMENTS:
@@ -483,13 +497,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, QSEG, KSEG,
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     b_lo, f_lo, f_hi, b_hi = _key_blocks(m0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    dq = _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
+    dq = _dq_inner(dq, q, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
                    offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, b_lo, f_lo,
                    BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
+    dq = _dq_inner(dq, q, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
                    offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_lo, f_hi,
                    BLOCK_N, CHECK_D, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
+    dq = _dq_inner(dq, q, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
                    offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi, b_hi,
                    BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
     dq = dq * sm_scale
@@ -532,37 +546,37 @@ def _device_ctx(t: torch.Tensor):
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
             config: FlashConfig | None = None):
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse2 [B, Hq, Sq] fp32).
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse, stats).
 
-    lse2 is the base-2 log-sum-exp (-inf for rows with no visible key); the natural one is lse2*ln2.
-    Inputs are assumed validated (see torch_ref.flash).
+    lse [B, Hq, Sq] fp32 natural log (-inf for rows with no visible key); stats = (m2, inv_l), each
+    [B, Hq, Sq] fp32, is what `backward` needs. Inputs are assumed validated (see torch_ref.flash).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     cfg = config or default_config(D, q.dtype, q.is_cuda and not INTERPRETED)
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
-    lse2 = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    lse, m2, inv_l = (torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) for _ in range(3))
     if out.numel() == 0:
-        return out, lse2.fill_(float("-inf"))
+        return out, lse.fill_(float("-inf")), (m2.fill_(float("inf")), inv_l.zero_())
     qseg, kseg, seg_strides = _segment_args(q_ids, kv_ids, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     grid = (triton.cdiv(Sq, cfg.block_m), Hq, B)
     with _device_ctx(q):
         _fwd_kernel[grid](
-            q, k, v, out, lse2, qseg, kseg,
+            q, k, v, out, lse, m2, inv_l, qseg, kseg,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides,
             Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, left, right,
             HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_flags(causal, window, q_ids, softcap))
-    return out, lse2
+    return out, lse, (m2, inv_l)
 
 
-def backward(do, q, k, v, out, lse2, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None,
+def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None,
              softcap=None, dlse=None, config: FlashConfig | None = None):
-    """Gradients (dq, dk, dv) shaped like q, k, v, from dO [B, Sq, Hq, D] and optionally the
-    cotangent of the natural lse `dlse [B, Hq, Sq]`.
+    """Gradients (dq, dk, dv) shaped like q, k, v, from dO [B, Sq, Hq, D], the forward's `out`
+    and `stats`, and optionally the cotangent of the natural lse `dlse [B, Hq, Sq]`.
 
     With P = softmax, dS = P * (dP - delta) where delta_i = sum_d dO_i O_i; a cotangent on
     lse_i adds P_ij * dlse_i to dS_ij, i.e. it is folded in as delta_i -= dlse_i.
@@ -588,19 +602,14 @@ def backward(do, q, k, v, out, lse2, *, causal: bool, scale: float, q_ids=None, 
     scalars = (Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, scale, left, right)
     with _device_ctx(q):
         _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.dkdv_block_n), Hkv, B)](
-            q, k, v, do, lse2, delta, dk, dv, qseg, kseg,
+            q, k, v, do, *stats, delta, dk, dv, qseg, kseg,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
             *scalars, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **common)
         _bwd_dq_kernel[(triton.cdiv(Sq, cfg.dq_block_m), Hq, B)](
-            q, k, v, do, lse2, delta, dq, qseg, kseg,
+            q, k, v, do, *stats, delta, dq, qseg, kseg,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *seg_strides,
             *scalars, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common)
     return dq, dk, dv
 
 
-def natural_lse(lse2: torch.Tensor) -> torch.Tensor:
-    """Base-2 lse -> natural log (keeps -inf)."""
-    return lse2 * LN2
-
-
-__all__ = ["FlashConfig", "default_config", "forward", "backward", "natural_lse", "INTERPRETED", "MAX_HEAD_DIM"]
+__all__ = ["FlashConfig", "default_config", "forward", "backward", "INTERPRETED", "MAX_HEAD_DIM"]
