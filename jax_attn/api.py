@@ -34,7 +34,7 @@ def _check_arrays(q, k, v):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got {name}.shape={x.shape}")
-        if x.dtype not in SUPPORTED_DTYPES:
+        if x.dtype not in SUPPORTED_DTYPES + (jnp.float64,):
             raise TypeError(f"{name}.dtype={x.dtype} is not supported; use float32, float16 or bfloat16")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype=}, {k.dtype=}, {v.dtype=}")
@@ -101,7 +101,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     """Multi-head attention, `softmax(scale * q k^T + mask) v`, FlashAttention-style.
 
     Args:
-      q: [B, Sq, Hq, D] queries (float32, float16 or bfloat16).
+      q: [B, Sq, Hq, D] queries (float32, float16 or bfloat16; float64 with "xla" only, under
+        jax.enable_x64, for golden references).
       k, v: [B, Sk, Hkv, D] keys and values, Hq % Hkv == 0 (query head h reads kv head
         h // (Hq // Hkv)). D <= 256; any Sq, Sk.
       causal: query i sees keys j <= i (top-left aligned when Sq != Sk).
@@ -135,6 +136,10 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     if implementation not in IMPLEMENTATIONS:
         raise NotImplementedError(
             f"unknown implementation={implementation!r}; choose one of {sorted(IMPLEMENTATIONS)} or None")
+    if q.dtype == jnp.float64 and implementation != "xla":
+        raise NotImplementedError(
+            f"float64 inputs are served by implementation='xla' only (the golden reference), "
+            f"not {implementation!r}")
     if implementation == "pallas_triton" and (reason := pallas_triton_unsupported_reason()):
         raise NotImplementedError(f"implementation='pallas_triton' cannot serve this call: {reason}")
     spec = AttentionSpec(
@@ -148,7 +153,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
 def _fp32_precision(dtype) -> jax.lax.Precision:
     """Exact fp32 dots when JAX is configured for "highest"/"float32" precision, else DEFAULT."""
     configured = jax.config.jax_default_matmul_precision
-    if dtype == jnp.float32 and configured is not None and str(configured).lower() in (
+    if dtype in (jnp.float32, jnp.float64) and configured is not None and str(configured).lower() in (
             "highest", "float32", "precision.highest", "fp32"):
         return jax.lax.Precision.HIGHEST
     return jax.lax.Precision.DEFAULT

@@ -65,21 +65,10 @@ def run_jax(case: Case, implementation: str, dtype: str, inputs):
     cast = lambda x: jnp.asarray(x, jdt)
     seg_j = None if seg is None else (
         tuple(jnp.asarray(s) for s in seg) if isinstance(seg, tuple) else jnp.asarray(seg))
-    kw = case.call_kwargs()
-    if dtype == "float64":  # the plain reference in float64 (AttentionSpec built as the API does)
-        def f(q, k, v):
-            ids = (None, None) if seg_j is None else (seg_j if isinstance(seg_j, tuple) else (seg_j, seg_j))
-            window = kw.get("window")
-            spec = jax_attn.AttentionSpec(
-                scale=kw.get("scale") or q.shape[-1] ** -0.5, causal=kw.get("causal", False),
-                window_left=None if window is None else window[0],
-                window_right=None if window is None else window[1], softcap=kw.get("softcap"),
-                has_segments=seg_j is not None, precision=jax.lax.Precision.HIGHEST)
-            return jax_attn.attention_reference(q, k, v, *ids, spec)
-    else:
-        def f(q, k, v):
-            return jax_attn.flash_attention(q, k, v, segment_ids=seg_j, return_lse=True,
-                                            implementation=implementation, **kw)
+    def f(q, k, v):
+        return jax_attn.flash_attention(q, k, v, segment_ids=seg_j, return_lse=True,
+                                        implementation=implementation, **case.call_kwargs())
+
     (out, lse), vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v))
     grads = vjp((cast(do), jnp.zeros_like(lse)))
     return [_to_np(x) for x in (out, lse, *grads)]
@@ -112,7 +101,7 @@ def check_case(case: Case, device) -> list[dict]:
     """Rows of the report for one case: one per (implementation, quantity)."""
     inputs = case.draw()
     golden = run_torch(case, "eager", "float64", inputs, device)
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
         golden_jax = run_jax(case, "xla", "float64", inputs)
     rows = []
     agree = max(_golden_disagreement(a, b) for a, b in zip(golden, golden_jax))

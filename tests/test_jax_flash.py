@@ -15,7 +15,7 @@ import jax_attn
 from jax_attn import flash_attention
 from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare
 
-NP_DTYPE = {jnp.float32: np.float32, jnp.float16: np.float16, jnp.bfloat16: ml_dtypes.bfloat16}
+NP_DTYPE = {jnp.float64: np.float64, jnp.float32: np.float32, jnp.float16: np.float16, jnp.bfloat16: ml_dtypes.bfloat16}
 
 
 def _inputs(rng, batch, q_len, kv_len, heads, kv_heads, head_dim):
@@ -37,27 +37,7 @@ def _run(q, k, v, do, dtype, implementation, **kw):
 
 def _golden(q, k, v, do, **kw):
     with jax.enable_x64(True), jax.default_matmul_precision("highest"):
-        f = lambda q, k, v: jax_attn.attention_reference(q, k, v, *_ids(kw), _spec(q, kw))
-        (out, lse), vjp = jax.vjp(f, *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
-        grads = vjp((jnp.asarray(do, jnp.float64), jnp.zeros_like(lse)))
-        return [np.asarray(x) for x in (out, lse, *grads)]
-
-
-def _ids(kw):
-    seg = kw.get("segment_ids")
-    if seg is None:
-        return None, None
-    return seg if isinstance(seg, tuple) else (seg, seg)
-
-
-def _spec(q, kw):
-    window = kw.get("window")
-    return jax_attn.AttentionSpec(
-        scale=kw.get("scale") or q.shape[-1] ** -0.5, causal=kw.get("causal", False),
-        window_left=None if window is None else window[0],
-        window_right=None if window is None else window[1],
-        softcap=kw.get("softcap"), has_segments=kw.get("segment_ids") is not None,
-        precision=jax.lax.Precision.HIGHEST)
+        return _run(q, k, v, do, jnp.float64, "xla", **kw)
 
 
 def check_against_golden(shape, dtype=jnp.float32, seed=0, **kw):
@@ -240,6 +220,8 @@ def _arr(*shape, dtype=jnp.float32):
     ((_arr(2, 8, 4, 16), _arr(2, 8, 4, 16, dtype=jnp.float16), _arr(2, 8, 4, 16)), {}, TypeError,
      r"share a dtype"),
     ((_arr(2, 8, 4, 16, dtype=jnp.int32),) * 3, {}, TypeError, r"q.dtype=int32"),
+    ((np.ones((2, 8, 4, 16)),) * 3, dict(implementation="pallas_triton"),
+     NotImplementedError, r"float64 inputs are served by implementation='xla' only"),
     ((_arr(2, 8, 4, 16), _arr(2, 8, 4, 32), _arr(2, 8, 4, 32)), {}, ValueError, r"differ in head dim"),
     ((_arr(2, 8, 8, 16), _arr(2, 8, 3, 16), _arr(2, 8, 3, 16)), {}, ValueError,
      r"number of heads in k/v \(3\) must divide heads in q \(8\)"),
