@@ -4,7 +4,7 @@ Reads top to bottom: block config, the shared tile math, forward kernel, backwar
 `custom_vjp` wiring and the entry point that pads to the kernels' tile grid.
 
 Algorithm: FlashAttention-2 (Dao 2023, arXiv 2307.08691), Alg. 1 (forward with online softmax,
-lse saved) and Alg. 2 (backward recomputing P from lse), with the backward split into a dK/dV
+row statistics saved) and Alg. 2 (backward recomputing P), with the backward split into a dK/dV
 kernel (one program per key block and kv head, looping over the query heads of its GQA group, so
 dK/dV need no atomics and stay deterministic) and a dQ kernel (one program per query block).
 
@@ -69,10 +69,14 @@ def _pow2_at_least(n: int) -> int:
     return max(MIN_BLOCK, 1 << max(0, n - 1).bit_length())
 
 
-def default_block_sizes(head_dim: int, interpret: bool) -> BlockSizes:
-    """Heuristic tiles per padded head dim. Interpret mode: small tiles keep the CPU run short."""
+def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> BlockSizes:
+    """Heuristic tiles per padded head dim and dtype. Interpret mode: small tiles keep the CPU run
+    short. fp32: exact fp32 dots run on FMA units, whose code grows with the tile (a 128x64 tile
+    compiled for ~100 s on an H200), and fp32 tiles take twice the shared memory: smaller tiles."""
     if interpret:
         return BlockSizes(32, 32, 32, 32, 32, 32, 4, 1, 4, 1)
+    if jnp.dtype(dtype) == jnp.float32:
+        return BlockSizes(64, 32, 32, 64, 64, 32, 4, 2, 4, 2)
     if head_dim <= 64:
         return BlockSizes(128, 64, 64, 128, 128, 64, 4, 3, 4, 2)
     if head_dim <= 128:
@@ -146,9 +150,9 @@ def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
 def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     spec = st.spec
     if spec.has_segments:
-        q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
+        q_seg_ref, kv_seg_ref, o_ref, lse_ref, m2_ref, inv_l_ref = refs
     else:
-        o_ref, lse_ref = refs
+        o_ref, lse_ref, m2_ref, inv_l_ref = refs
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     q = q_ref[...]
@@ -180,8 +184,14 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     m, l, acc = _visit(ranges_ref, body, carry, _needs_mask(st, block_k))
     empty = l == 0.0  # no visible key: output 0, lse -inf
     l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    inv_l = 1.0 / l_safe
+    o_ref[...] = (acc * inv_l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) / LOG2E)
+    # For the backward: P = exp2(s2 - m2) * inv_l. Recomputing P from lse instead would put
+    # ulp(lse) of absolute error into every exponent, too much for fp32 gradients. Rows with no
+    # visible key store m2 = +inf, inv_l = 0, so their P is 0.
+    m2_ref[...] = jnp.where(empty, jnp.inf, m)
+    inv_l_ref[...] = jnp.where(empty, 0.0, inv_l)
 
 
 def _fwd_call(st: _Static, q, k, v, q_seg, kv_seg, ranges):
@@ -205,10 +215,10 @@ def _fwd_call(st: _Static, q, k, v, q_seg, kv_seg, ranges):
         functools.partial(_fwd_kernel, st=st),
         grid=(q_pad // bq, batch, num_heads),  # query blocks fastest: neighbours share K/V in L2
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))]
+        + [pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] * 3,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)]
+        + [jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)] * 3,  # lse, m2, inv_l
         compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps,
                                              num_stages=st.blocks.num_stages),
         interpret=st.interpret,
@@ -217,13 +227,13 @@ def _fwd_call(st: _Static, q, k, v, q_seg, kv_seg, ranges):
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward. Inputs beside q, k, v, dO: lse2 = lse * log2(e) (+inf on rows with no visible key,
-# so their P is 0) and delta = rowsum(dO * O) - dlse (FA2 Alg. 2 line 4; subtracting dlse makes
-# the lse output differentiable: d lse_i / d s_ij = p_ij).
+# Backward. Inputs beside q, k, v, dO: the forward's row statistics m2, inv_l (P = exp2(s2 - m2)
+# * inv_l) and delta = rowsum(dO * O) - dlse (FA2 Alg. 2 line 4; subtracting dlse makes the lse
+# output differentiable: d lse_i / d s_ij = p_ij).
 # ----------------------------------------------------------------------------------------------
 
 
-def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs,
+def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs,
                  st: _Static):
     """One program per (key block, batch, kv head); loops over the group's query heads."""
     spec = st.spec
@@ -247,14 +257,15 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *
         start = pl.multiple_of(i * block_q, block_q)
         q = q_ref[pl.ds(start, block_q), g, :]
         do = do_ref[pl.ds(start, block_q), g, :]
-        lse2 = lse2_ref[g, pl.ds(start, block_q)]
+        m2 = m2_ref[g, pl.ds(start, block_q)]
+        inv_l = inv_l_ref[g, pl.ds(start, block_q)]
         delta = delta_ref[g, pl.ds(start, block_q)]
         s, t = _scores(q, k, spec, k_major=True)  # [block_k, block_q]
         if masked:
             rows = (start + jnp.arange(block_q))[None, :]
             q_seg = q_seg_ref[pl.ds(start, block_q)][None, :] if spec.has_segments else None
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
-        p = jnp.exp2(s - lse2[None, :])
+        p = jnp.exp2(s - m2[None, :]) * inv_l[None, :]
         dv = dv + _dot(p.astype(do.dtype), do, spec)
         dp = _dot(v, do, spec, trans_b=True)
         ds = p * (dp - delta[None, :])
@@ -271,7 +282,8 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, st: _Static):
+def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs,
+               st: _Static):
     """One program per (query block, batch, query head); loops over its visible key blocks."""
     spec = st.spec
     if spec.has_segments:
@@ -282,7 +294,8 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *re
     block_k = st.blocks.block_k_dq
     q = q_ref[...]
     do = do_ref[...]
-    lse2 = lse2_ref[...][:, None]
+    m2 = m2_ref[...][:, None]
+    inv_l = inv_l_ref[...][:, None]
     delta = delta_ref[...][:, None]
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
     q_seg = q_seg_ref[...][:, None] if spec.has_segments else None
@@ -296,7 +309,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *re
             cols = (start + jnp.arange(block_k))[None, :]
             kv_seg = kv_seg_ref[pl.ds(start, block_k)][None, :] if spec.has_segments else None
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
-        p = jnp.exp2(s - lse2)
+        p = jnp.exp2(s - m2) * inv_l
         dp = _dot(do, v, spec, trans_b=True)
         ds = p * (dp - delta)
         if t is not None:
@@ -310,7 +323,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *re
     dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
 
 
-def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, lse2, delta):
+def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, m2, inv_l, delta):
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -326,11 +339,11 @@ def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, l
     kv_block_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
     in_specs = [pl.BlockSpec((None, None, 4), lambda j, b, h: (b if rb > 1 else 0, j, 0)),
                 q_group_spec, kv_block_spec, kv_block_spec, q_group_spec,
-                row_group_spec, row_group_spec]
+                row_group_spec, row_group_spec, row_group_spec]
     as_groups = lambda x: x.reshape(batch, q_pad, num_kv_heads, group, head_dim)
     rows_as_groups = lambda x: x.reshape(batch, num_kv_heads, group, q_pad)
-    args = [dkdv_ranges, as_groups(q), k, v, as_groups(do), rows_as_groups(lse2),
-            rows_as_groups(delta)]
+    args = [dkdv_ranges, as_groups(q), k, v, as_groups(do), rows_as_groups(m2),
+            rows_as_groups(inv_l), rows_as_groups(delta)]
     if has_seg:
         in_specs += [pl.BlockSpec((None, q_pad), lambda j, b, h: (b, 0)),
                      pl.BlockSpec((None, bk), lambda j, b, h: (b, j))]
@@ -351,8 +364,8 @@ def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, l
     kv_full_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     in_specs = [pl.BlockSpec((None, None, 4), lambda i, b, h: (b if rb > 1 else 0, i, 0)),
-                q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec]
-    args = [dq_ranges, q, k, v, do, lse2, delta]
+                q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec, row_spec]
+    args = [dq_ranges, q, k, v, do, m2, inv_l, delta]
     if has_seg:
         in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                      pl.BlockSpec((None, kv_pad), lambda i, b, h: (b, 0))]
@@ -375,22 +388,22 @@ def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, l
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st, q, k, v, q_seg, kv_seg, fwd_ranges, dq_ranges, dkdv_ranges):
-    return _fwd_call(st, q, k, v, q_seg, kv_seg, fwd_ranges)
+    out, lse, _, _ = _fwd_call(st, q, k, v, q_seg, kv_seg, fwd_ranges)
+    return out, lse
 
 
 def _flash_fwd(st, q, k, v, q_seg, kv_seg, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse = _fwd_call(st, q, k, v, q_seg, kv_seg, fwd_ranges)
-    return (out, lse), (q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, out, lse)
+    out, lse, m2, inv_l = _fwd_call(st, q, k, v, q_seg, kv_seg, fwd_ranges)
+    return (out, lse), (q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, out, m2, inv_l)
 
 
 def _flash_bwd(st, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, out, lse = residuals
+    q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, out, m2, inv_l = residuals
     do, dlse = cotangents
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     delta = delta - dlse
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
     dq, dk, dv = _bwd_call(st, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges,
-                           do.astype(q.dtype), lse2, delta)
+                           do.astype(q.dtype), m2, inv_l, delta)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -417,7 +430,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec,
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     head_pad = _pow2_at_least(head_dim)
     if blocks is None:
-        blocks = default_block_sizes(head_pad, interpret)
+        blocks = default_block_sizes(head_pad, interpret, q.dtype)
     blocks = blocks.fitted(q_len, kv_len)
     tile_q = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
     tile_k = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
