@@ -5,11 +5,12 @@ Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD).
 from jax_attn.api import IMPLEMENTATIONS, default_implementation, flash_attention
 from jax_attn.device import DeviceInfo, device_info, recommended_dtype
 from jax_attn.pallas_triton import BlockSizes, default_block_sizes
+from jax_attn.rope import Rope, apply_rope
 from jax_attn.spec import AttentionSpec
 from jax_attn.xla import attention_reference
 
 __all__ = [
     "AttentionSpec", "BlockSizes", "DeviceInfo", "IMPLEMENTATIONS", "attention_reference",
     "default_block_sizes", "default_implementation", "device_info", "flash_attention",
-    "recommended_dtype",
+    "recommended_dtype", "Rope", "apply_rope",
 ]

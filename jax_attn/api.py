@@ -10,12 +10,13 @@ import jax.numpy as jnp
 
 from jax_attn import pallas_triton, xla
 from jax_attn.device import pallas_triton_unsupported_reason
+from jax_attn.rope import Rope
 from jax_attn.spec import AttentionSpec
 
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
-# name -> fn(q, k, v, q_seg, kv_seg, spec) -> (out, lse). Adding a backend = one entry.
+# name -> fn(q, k, v, q_seg, kv_seg, spec, *, q_pos, kv_pos) -> (out, lse). Adding a backend = one entry.
 IMPLEMENTATIONS: dict[str, Callable] = {
     "pallas_triton": pallas_triton.flash_attention_pallas,
     "xla": xla.attention_reference,
@@ -52,26 +53,48 @@ def _check_arrays(q, k, v):
         raise ValueError(f"number of heads in k/v ({k.shape[2]}) must divide heads in q ({q.shape[2]})")
 
 
+def _check_pairable(name, value, batch, q_len, kv_len):
+    """One int array [B, S] (Sq == Sk) or a pair ([B, Sq], [B, Sk]) -> (q side, kv side)."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{name} as a pair must be (q_{name}, kv_{name}), got {len(value)} items")
+        q_side, kv_side = value
+    else:
+        if q_len != kv_len:
+            raise ValueError(
+                f"a single {name} array needs Sq == Sk (got {q_len} and {kv_len}); "
+                f"pass {name}=(q_{name}, kv_{name})")
+        q_side = kv_side = value
+    for side, arr, length in (("q", q_side, q_len), ("kv", kv_side, kv_len)):
+        if not hasattr(arr, "dtype") or not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise TypeError(f"{side} {name} must be an integer array, got {getattr(arr, 'dtype', type(arr))}")
+        if arr.shape != (batch, length):
+            raise ValueError(f"{side} {name} must have shape {(batch, length)}, got {arr.shape}")
+    return q_side, kv_side
+
+
 def _check_segment_ids(segment_ids, batch, q_len, kv_len):
     """-> (q_ids [B, Sq], kv_ids [B, Sk]) or (None, None)."""
     if segment_ids is None:
         return None, None
-    if isinstance(segment_ids, (tuple, list)):
-        if len(segment_ids) != 2:
-            raise ValueError(f"segment_ids as a pair must be (q_ids, kv_ids), got {len(segment_ids)} items")
-        q_ids, kv_ids = segment_ids
-    else:
-        if q_len != kv_len:
-            raise ValueError(
-                f"a single segment_ids array needs Sq == Sk (got {q_len} and {kv_len}); "
-                "pass segment_ids=(q_ids, kv_ids)")
-        q_ids = kv_ids = segment_ids
-    for name, ids, length in (("q segment_ids", q_ids, q_len), ("kv segment_ids", kv_ids, kv_len)):
-        if not hasattr(ids, "dtype") or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array, got {getattr(ids, 'dtype', type(ids))}")
-        if ids.shape != (batch, length):
-            raise ValueError(f"{name} must have shape {(batch, length)}, got {ids.shape}")
-    return q_ids, kv_ids
+    return _check_pairable("segment_ids", segment_ids, batch, q_len, kv_len)
+
+
+def _check_rope(rope, positions, batch, q_len, kv_len, head_dim):
+    """-> (q_pos [B, Sq], kv_pos [B, Sk]) int32 or (None, None)."""
+    if rope is None:
+        if positions is not None:
+            raise ValueError("positions are given but rope is None; positions only drive RoPE")
+        return None, None
+    if not isinstance(rope, Rope):
+        raise TypeError(f"rope must be a jax_attn.Rope or None, got {type(rope).__name__}")
+    if head_dim % 2:
+        raise ValueError(f"head dim must be even for RoPE, got D={head_dim}")
+    if positions is None:
+        return (jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), (batch, q_len)),
+                jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len)))
+    q_pos, kv_pos = _check_pairable("positions", positions, batch, q_len, kv_len)
+    return q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32)
 
 
 def _check_window(window):
@@ -96,8 +119,8 @@ def _check_positive(name, value):
 
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                     segment_ids=None, window: tuple[int, int] | None = None,
-                    softcap: float | None = None, return_lse: bool = False,
-                    implementation: str | None = None):
+                    softcap: float | None = None, rope: Rope | None = None, positions=None,
+                    return_lse: bool = False, implementation: str | None = None):
     """Multi-head attention, `softmax(scale * q k^T + mask) v`, FlashAttention-style.
 
     Args:
@@ -111,6 +134,10 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         only keys with the same id.
       window: (left, right) >= 0: query i sees keys i - left <= j <= i + right.
       softcap: c > 0: scores become c * tanh(s / c) before masking.
+      rope: a `Rope(base, style)`: q and k are rotated inside the kernels after load (RoPE,
+        pairs (2i, 2i+1) for style "interleaved", (i, i + D/2) for "half"); D must be even.
+      positions: RoPE positions, int [B, S] (Sq == Sk) or a pair (q_pos [B, Sq], kv_pos [B, Sk]);
+        default arange (per-token positions serve packed sequences).
       return_lse: also return lse [B, Hq, Sq] float32 (natural log; -inf on rows with no
         visible key). The lse output is differentiable.
       implementation: None (see `default_implementation`), "pallas_triton" or "xla".
@@ -129,6 +156,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     kv_len = k.shape[1]
     q_ids, kv_ids = _check_segment_ids(segment_ids, batch, q_len, kv_len)
     left, right = _check_window(window)
+    q_pos, kv_pos = _check_rope(rope, positions, batch, q_len, kv_len, head_dim)
     softcap = _check_positive("softcap", softcap)
     scale = _check_positive("scale", scale)
     if implementation is None:
@@ -145,8 +173,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     spec = AttentionSpec(
         scale=head_dim ** -0.5 if scale is None else scale,
         causal=bool(causal), window_left=left, window_right=right, softcap=softcap,
-        has_segments=q_ids is not None, precision=_fp32_precision(q.dtype))
-    out, lse = IMPLEMENTATIONS[implementation](q, k, v, q_ids, kv_ids, spec)
+        has_segments=q_ids is not None, precision=_fp32_precision(q.dtype), rope=rope)
+    out, lse = IMPLEMENTATIONS[implementation](q, k, v, q_ids, kv_ids, spec, q_pos=q_pos, kv_pos=kv_pos)
     return (out, lse) if return_lse else out
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_attn.rope import inverse_frequencies
 from jax_attn.spec import AttentionSpec, block_ranges, visible
 
 LOG2E = math.log2(math.e)
@@ -97,6 +98,12 @@ class _Static:
 
 # ----------------------------------------------------------------------------------------------
 # Tile math shared by the three kernels.
+#
+# Feature "parts": without RoPE a q/k tile is one part, [rows, D]. With RoPE it is two parts,
+# the two members of every rotated pair ([rows, D/2] each: columns [0, D/2) and [D/2, D) for
+# style "half", even and odd columns for "interleaved"), rotated in registers after the load;
+# scores are the sum of the parts' dots, and dQ/dK accumulate per part and rotate back (R^T)
+# before the store. Without RoPE the code is exactly the plain kernel.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -107,12 +114,48 @@ def _dot(a, b, spec, *, trans_b=False):
                                preferred_element_type=jnp.float32)
 
 
-def _scores(q, k, spec, *, k_major=False):
+def _columns(spec: AttentionSpec, head_dim: int):
+    """Column indexers of the feature parts of a padded head dim."""
+    if spec.rope is None:
+        return (slice(None),)
+    half = head_dim // 2
+    if spec.rope.style == "half":
+        return pl.ds(0, half), pl.ds(half, half)
+    return pl.ds(0, half, stride=2), pl.ds(1, half, stride=2)
+
+
+def _load_parts(ref, prefix, spec, head_dim):
+    return tuple(ref[(*prefix, c)] for c in _columns(spec, head_dim))
+
+
+def _store_parts(ref, parts, spec, head_dim):
+    for c, x in zip(_columns(spec, head_dim), parts):
+        ref[:, c] = x.astype(ref.dtype)
+
+
+def _rope_cos_sin(pos, inv_freq):
+    """cos, sin of pos * theta, [rows, D/2] fp32 (theta passed in, as the reference computes it)."""
+    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angle), jnp.sin(angle)
+
+
+def _rotate(parts, cos_sin, dtype, *, inverse=False):
+    """(a, b) -> (a cos - b sin, a sin + b cos) in fp32; inverse applies R^T (for gradients)."""
+    if cos_sin is None:
+        return tuple(x.astype(dtype) for x in parts)
+    cos, sin = cos_sin
+    sin = -sin if inverse else sin
+    a, b = (x.astype(jnp.float32) for x in parts)
+    return (a * cos - b * sin).astype(dtype), (a * sin + b * cos).astype(dtype)
+
+
+def _scores(q_parts, k_parts, spec, *, k_major=False):
     """Scores in log2 units, s2 = log2(e) * s, and tanh(raw * scale / cap) when soft-capped.
 
     k_major=False gives [block_q, block_k] (q @ k.T); True gives [block_k, block_q] (k @ q.T).
     """
-    raw = _dot(k, q, spec, trans_b=True) if k_major else _dot(q, k, spec, trans_b=True)
+    pairs = zip(k_parts, q_parts) if k_major else zip(q_parts, k_parts)
+    raw = sum(_dot(a, b, spec, trans_b=True) for a, b in pairs)
     if spec.softcap is None:
         return raw * (spec.scale * LOG2E), None
     t = jnp.tanh(raw * (spec.scale / spec.softcap))
@@ -142,6 +185,46 @@ def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
     return jax.lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
+# Per-token side inputs (segment ids, RoPE positions) travel as one int32 array per side,
+# [B, fields, S], so each kernel gets one ref per side whatever is switched on.
+def _info_fields(spec: AttentionSpec) -> tuple[str, ...]:
+    return ("seg",) * spec.has_segments + ("pos",) * (spec.rope is not None)
+
+
+class _Side:
+    """Reads one field of a side-info ref: `side.get("seg", pl.ds(...))`, None when absent."""
+
+    def __init__(self, ref, spec):
+        self.ref, self.fields = ref, _info_fields(spec)
+
+    def get(self, name, idx=slice(None)):
+        if name not in self.fields:
+            return None
+        return self.ref[self.fields.index(name), idx]
+
+
+def _unpack(refs, spec):
+    """(q side, kv side, inv_freq ref or None, remaining refs) from a kernel's trailing refs."""
+    refs = list(refs)
+    has_info = bool(_info_fields(spec))
+    q_info = _Side(refs.pop(0), spec) if has_info else _Side(None, spec)
+    kv_info = _Side(refs.pop(0), spec) if has_info else _Side(None, spec)
+    inv_freq = refs.pop(0)[...] if spec.rope is not None else None
+    return q_info, kv_info, inv_freq, refs
+
+
+def _side_specs_and_args(q_info, kv_info, inv_freq, q_spec, kv_spec):
+    """BlockSpecs and args for the optional side inputs, in the order `_unpack` reads them."""
+    specs, args = [], []
+    if q_info is not None:
+        specs += [q_spec, kv_spec]
+        args += [q_info, kv_info]
+    if inv_freq is not None:
+        specs.append(pl.BlockSpec(inv_freq.shape, lambda *_: (0,)))
+        args.append(inv_freq)
+    return specs, args
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward: one program per (query block, batch, query head). FA2 Alg. 1.
 # ----------------------------------------------------------------------------------------------
@@ -149,25 +232,28 @@ def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
 
 def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     spec = st.spec
-    if spec.has_segments:
-        q_seg_ref, kv_seg_ref, o_ref, lse_ref, m2_ref, inv_l_ref = refs
-    else:
-        o_ref, lse_ref, m2_ref, inv_l_ref = refs
+    q_info, kv_info, inv_freq, (o_ref, lse_ref, m2_ref, inv_l_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
-    q = q_ref[...]
+    rope = spec.rope is not None
+    q_cs = _rope_cos_sin(q_info.get("pos"), inv_freq) if rope else None
+    q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
-    q_seg = q_seg_ref[...][:, None] if spec.has_segments else None
+    q_seg = q_info.get("seg")
+    q_seg = None if q_seg is None else q_seg[:, None]
 
     def body(j, carry, masked):
         m, l, acc = carry
         start = pl.multiple_of(j * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]
-        v = v_ref[pl.ds(start, block_k), :]
+        tile = pl.ds(start, block_k)
+        k_cs = _rope_cos_sin(kv_info.get("pos", tile), inv_freq) if rope else None
+        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
+        v = v_ref[tile, :]
         s, _ = _scores(q, k, spec)
         if masked:
             cols = start + jnp.arange(block_k)
-            kv_seg = kv_seg_ref[pl.ds(start, block_k)][None, :] if spec.has_segments else None
+            kv_seg = kv_info.get("seg", tile)
+            kv_seg = None if kv_seg is None else kv_seg[None, :]
             s, _ = _mask(spec, st, s, rows[:, None], cols[None, :], q_seg, kv_seg)
         # online softmax update; a row that has seen only masked keys keeps m = -inf, so the
         # exponent uses 0 in its place and every p of that row is exp2(-inf) = 0, never NaN.
@@ -194,23 +280,24 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     inv_l_ref[...] = jnp.where(empty, 0.0, inv_l)
 
 
-def _fwd_call(st: _Static, q, k, v, q_seg, kv_seg, ranges):
+def _fwd_call(st: _Static, q, k, v, q_info, kv_info, inv_freq, ranges):
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     bq = st.blocks.block_q
     rb = ranges.shape[0]  # 1 (static ranges, broadcast) or batch (segment ids)
+    fields = len(_info_fields(st.spec))
+    side_specs, side_args = _side_specs_and_args(
+        q_info, kv_info, inv_freq,
+        pl.BlockSpec((None, fields, bq), lambda i, b, h: (b, 0, i)),
+        pl.BlockSpec((None, fields, kv_pad), lambda i, b, h: (b, 0, 0)))
     in_specs = [
         pl.BlockSpec((None, None, 4), lambda i, b, h: (b if rb > 1 else 0, i, 0)),
         pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
         pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
         pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
+        *side_specs,
     ]
-    args = [ranges, q, k, v]
-    if st.spec.has_segments:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                     pl.BlockSpec((None, kv_pad), lambda i, b, h: (b, 0))]
-        args += [q_seg, kv_seg]
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st),
         grid=(q_pad // bq, batch, num_heads),  # query blocks fastest: neighbours share K/V in L2
@@ -223,7 +310,7 @@ def _fwd_call(st: _Static, q, k, v, q_seg, kv_seg, ranges):
                                              num_stages=st.blocks.num_stages),
         interpret=st.interpret,
         name="flash_fwd",
-    )(*args)
+    )(ranges, q, k, v, *side_args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,17 +324,17 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
                  st: _Static):
     """One program per (key block, batch, kv head); loops over the group's query heads."""
     spec = st.spec
-    if spec.has_segments:
-        q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs
-    else:
-        dk_ref, dv_ref = refs
+    q_info, kv_info, inv_freq, (dk_ref, dv_ref) = _unpack(refs, spec)
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
-    k = k_ref[...]
+    rope = spec.rope is not None
+    k_cs = _rope_cos_sin(kv_info.get("pos"), inv_freq) if rope else None
+    k = _rotate(_load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
     v = v_ref[...]
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
-    kv_seg = kv_seg_ref[...][:, None] if spec.has_segments else None
+    kv_seg = kv_info.get("seg")
+    kv_seg = None if kv_seg is None else kv_seg[:, None]
 
     def body(step, carry, masked):
         # One flat loop over (query block, head of the group): no nested loops, so the compiler
@@ -255,15 +342,18 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
         dk, dv = carry
         i, g = step // group, step % group
         start = pl.multiple_of(i * block_q, block_q)
-        q = q_ref[pl.ds(start, block_q), g, :]
-        do = do_ref[pl.ds(start, block_q), g, :]
-        m2 = m2_ref[g, pl.ds(start, block_q)]
-        inv_l = inv_l_ref[g, pl.ds(start, block_q)]
-        delta = delta_ref[g, pl.ds(start, block_q)]
+        tile = pl.ds(start, block_q)
+        q_cs = _rope_cos_sin(q_info.get("pos", tile), inv_freq) if rope else None
+        q = _rotate(_load_parts(q_ref, (tile, g), spec, head_dim), q_cs, q_ref.dtype)
+        do = do_ref[tile, g, :]
+        m2 = m2_ref[g, tile]
+        inv_l = inv_l_ref[g, tile]
+        delta = delta_ref[g, tile]
         s, t = _scores(q, k, spec, k_major=True)  # [block_k, block_q]
         if masked:
             rows = (start + jnp.arange(block_q))[None, :]
-            q_seg = q_seg_ref[pl.ds(start, block_q)][None, :] if spec.has_segments else None
+            q_seg = q_info.get("seg", tile)
+            q_seg = None if q_seg is None else q_seg[None, :]
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
         p = jnp.exp2(s - m2[None, :]) * inv_l[None, :]
         dv = dv + _dot(p.astype(do.dtype), do, spec)
@@ -273,12 +363,15 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
             ds = ds * (1.0 - t * t)
         if masked:  # p = 0 there, but dp may be inf (huge masked values): 0 * inf = NaN
             ds = jnp.where(mask, ds, 0.0)
-        dk = dk + _dot(ds.astype(q.dtype), q, spec)
+        ds = ds.astype(q_ref.dtype)
+        dk = tuple(acc + _dot(ds, part, spec) for acc, part in zip(dk, q))
         return dk, dv
 
-    zeros = jnp.zeros((block_k, head_dim), jnp.float32)
-    dk, dv = _visit(ranges_ref, body, (zeros, zeros), _needs_mask(st, block_k), stride=group)
-    dk_ref[...] = (dk * spec.scale).astype(dk_ref.dtype)
+    zeros = jnp.zeros((block_k, head_dim // len(k)), jnp.float32)
+    carry = (tuple(zeros for _ in k), jnp.zeros((block_k, head_dim), jnp.float32))
+    dk, dv = _visit(ranges_ref, body, carry, _needs_mask(st, block_k), stride=group)
+    dk = _rotate(dk, k_cs, jnp.float32, inverse=True)  # back from rotated to input coordinates
+    _store_parts(dk_ref, tuple(x * spec.scale for x in dk), spec, head_dim)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -286,28 +379,31 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
                st: _Static):
     """One program per (query block, batch, query head); loops over its visible key blocks."""
     spec = st.spec
-    if spec.has_segments:
-        q_seg_ref, kv_seg_ref, dq_ref = refs
-    else:
-        (dq_ref,) = refs
+    q_info, kv_info, inv_freq, (dq_ref,) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k_dq
-    q = q_ref[...]
+    rope = spec.rope is not None
+    q_cs = _rope_cos_sin(q_info.get("pos"), inv_freq) if rope else None
+    q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
     do = do_ref[...]
     m2 = m2_ref[...][:, None]
     inv_l = inv_l_ref[...][:, None]
     delta = delta_ref[...][:, None]
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
-    q_seg = q_seg_ref[...][:, None] if spec.has_segments else None
+    q_seg = q_info.get("seg")
+    q_seg = None if q_seg is None else q_seg[:, None]
 
     def body(j, dq, masked):
         start = pl.multiple_of(j * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]
-        v = v_ref[pl.ds(start, block_k), :]
+        tile = pl.ds(start, block_k)
+        k_cs = _rope_cos_sin(kv_info.get("pos", tile), inv_freq) if rope else None
+        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
+        v = v_ref[tile, :]
         s, t = _scores(q, k, spec)
         if masked:
             cols = (start + jnp.arange(block_k))[None, :]
-            kv_seg = kv_seg_ref[pl.ds(start, block_k)][None, :] if spec.has_segments else None
+            kv_seg = kv_info.get("seg", tile)
+            kv_seg = None if kv_seg is None else kv_seg[None, :]
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
         p = jnp.exp2(s - m2) * inv_l
         dp = _dot(do, v, spec, trans_b=True)
@@ -316,20 +412,23 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
             ds = ds * (1.0 - t * t)
         if masked:
             ds = jnp.where(mask, ds, 0.0)
-        return dq + _dot(ds.astype(k.dtype), k, spec)
+        ds = ds.astype(k_ref.dtype)
+        return tuple(acc + _dot(ds, part, spec) for acc, part in zip(dq, k))
 
-    dq = _visit(ranges_ref, body, jnp.zeros((block_q, head_dim), jnp.float32),
-                _needs_mask(st, block_k))
-    dq_ref[...] = (dq * spec.scale).astype(dq_ref.dtype)
+    zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
+    dq = _visit(ranges_ref, body, tuple(zeros for _ in q), _needs_mask(st, block_k))
+    dq = _rotate(dq, q_cs, jnp.float32, inverse=True)
+    _store_parts(dq_ref, tuple(x * spec.scale for x in dq), spec, head_dim)
 
 
-def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, m2, inv_l, delta):
+def _bwd_call(st: _Static, q, k, v, q_info, kv_info, inv_freq, dq_ranges, dkdv_ranges,
+              do, m2, inv_l, delta):
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     blocks = st.blocks
     params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
-    has_seg = st.spec.has_segments
+    fields = len(_info_fields(st.spec))
 
     # dK/dV: query-side arrays viewed per kv head, [B, S, Hkv, G, D] and [B, Hkv, G, S].
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
@@ -337,17 +436,15 @@ def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, m
     q_group_spec = pl.BlockSpec((None, q_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
     row_group_spec = pl.BlockSpec((None, None, group, q_pad), lambda j, b, h: (b, h, 0, 0))
     kv_block_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
+    side_specs, side_args = _side_specs_and_args(
+        q_info, kv_info, inv_freq,
+        pl.BlockSpec((None, fields, q_pad), lambda j, b, h: (b, 0, 0)),
+        pl.BlockSpec((None, fields, bk), lambda j, b, h: (b, 0, j)))
     in_specs = [pl.BlockSpec((None, None, 4), lambda j, b, h: (b if rb > 1 else 0, j, 0)),
                 q_group_spec, kv_block_spec, kv_block_spec, q_group_spec,
-                row_group_spec, row_group_spec, row_group_spec]
+                row_group_spec, row_group_spec, row_group_spec, *side_specs]
     as_groups = lambda x: x.reshape(batch, q_pad, num_kv_heads, group, head_dim)
     rows_as_groups = lambda x: x.reshape(batch, num_kv_heads, group, q_pad)
-    args = [dkdv_ranges, as_groups(q), k, v, as_groups(do), rows_as_groups(m2),
-            rows_as_groups(inv_l), rows_as_groups(delta)]
-    if has_seg:
-        in_specs += [pl.BlockSpec((None, q_pad), lambda j, b, h: (b, 0)),
-                     pl.BlockSpec((None, bk), lambda j, b, h: (b, j))]
-        args += [q_seg, kv_seg]
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st),
         grid=(kv_pad // bk, batch, num_kv_heads),
@@ -355,7 +452,8 @@ def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, m
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params, interpret=st.interpret, name="flash_bwd_dkdv",
-    )(*args)
+    )(dkdv_ranges, as_groups(q), k, v, as_groups(do), rows_as_groups(m2),
+      rows_as_groups(inv_l), rows_as_groups(delta), *side_args)
 
     # dQ: same tiling as the forward.
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
@@ -363,13 +461,13 @@ def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, m
     q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
     kv_full_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    side_specs, side_args = _side_specs_and_args(
+        q_info, kv_info, inv_freq,
+        pl.BlockSpec((None, fields, bq), lambda i, b, h: (b, 0, i)),
+        pl.BlockSpec((None, fields, kv_pad), lambda i, b, h: (b, 0, 0)))
     in_specs = [pl.BlockSpec((None, None, 4), lambda i, b, h: (b if rb > 1 else 0, i, 0)),
-                q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec, row_spec]
-    args = [dq_ranges, q, k, v, do, m2, inv_l, delta]
-    if has_seg:
-        in_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-                     pl.BlockSpec((None, kv_pad), lambda i, b, h: (b, 0))]
-        args += [q_seg, kv_seg]
+                q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec,
+                row_spec, *side_specs]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=st),
         grid=(q_pad // bq, batch, num_heads),
@@ -377,7 +475,7 @@ def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, m
         out_specs=q_block_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params, interpret=st.interpret, name="flash_bwd_dq",
-    )(*args)
+    )(dq_ranges, q, k, v, do, m2, inv_l, delta, *side_args)
     return dq, dk, dv
 
 
@@ -387,24 +485,24 @@ def _bwd_call(st: _Static, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, do, m
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st, q, k, v, q_seg, kv_seg, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse, _, _ = _fwd_call(st, q, k, v, q_seg, kv_seg, fwd_ranges)
+def _flash(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
+    out, lse, _, _ = _fwd_call(st, q, k, v, *side, fwd_ranges)
     return out, lse
 
 
-def _flash_fwd(st, q, k, v, q_seg, kv_seg, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse, m2, inv_l = _fwd_call(st, q, k, v, q_seg, kv_seg, fwd_ranges)
-    return (out, lse), (q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, out, m2, inv_l)
+def _flash_fwd(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
+    out, lse, m2, inv_l = _fwd_call(st, q, k, v, *side, fwd_ranges)
+    return (out, lse), (q, k, v, side, dq_ranges, dkdv_ranges, out, m2, inv_l)
 
 
 def _flash_bwd(st, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges, out, m2, inv_l = residuals
+    q, k, v, side, dq_ranges, dkdv_ranges, out, m2, inv_l = residuals
     do, dlse = cotangents
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     delta = delta - dlse
-    dq, dk, dv = _bwd_call(st, q, k, v, q_seg, kv_seg, dq_ranges, dkdv_ranges,
+    dq, dk, dv = _bwd_call(st, q, k, v, *side, dq_ranges, dkdv_ranges,
                            do.astype(q.dtype), m2, inv_l, delta)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -418,17 +516,37 @@ def _pad_axis(x, axis, size, mode="constant"):
     return jnp.pad(x, widths, mode=mode)
 
 
-def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec,
+def _pad_head_dim(x, spec: AttentionSpec, head_pad: int, rotated: bool):
+    """Zero-pad the head dim; with RoPE style "half" each half is padded on its own, so that
+    pairs (i, i + D/2) stay pairs (i, i + head_pad/2)."""
+    if rotated and spec.rope is not None and spec.rope.style == "half" and x.shape[-1] != head_pad:
+        halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+        return _pad_axis(halves, halves.ndim - 1, head_pad // 2).reshape(*x.shape[:-1], head_pad)
+    return _pad_axis(x, x.ndim - 1, head_pad)
+
+
+def _side_info(fields, length, seg, pos):
+    """[B, fields, length] int32, edge-padded (keeps each block's id interval unchanged)."""
+    rows = [{"seg": seg, "pos": pos}[f].astype(jnp.int32) for f in fields]
+    return _pad_axis(jnp.stack(rows, axis=1), 2, length, mode="edge")
+
+
+def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None,
                            blocks: BlockSizes | None = None, interpret: bool | None = None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (validated) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]).
 
-    Pads the head dim to a power of two and the sequences to tile multiples (zeros; padded keys
-    are masked, padded rows sliced off), so any shape runs on one kernel family.
+    Segment ids [B, Sq]/[B, Sk] when spec.has_segments; RoPE positions [B, Sq]/[B, Sk] when
+    spec.rope. Pads the head dim to a power of two and the sequences to tile multiples (zeros;
+    padded keys are masked, padded rows sliced off), so any shape runs on one kernel family.
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    head_pad = _pow2_at_least(head_dim)
+    batch, q_len, _, head_dim = q.shape
+    kv_len = k.shape[1]
+    if spec.rope is None:
+        head_pad = _pow2_at_least(head_dim)
+    else:  # each half of a rotated pair is a tile of its own: a power of two >= MIN_BLOCK
+        head_pad = 2 * _pow2_at_least(head_dim // 2)
     if blocks is None:
         blocks = default_block_sizes(head_pad, interpret, q.dtype)
     blocks = blocks.fitted(q_len, kv_len)
@@ -436,10 +554,20 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec,
     tile_k = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
     q_pad, kv_pad = pl.cdiv(q_len, tile_q) * tile_q, pl.cdiv(kv_len, tile_k) * tile_k
 
-    qp = _pad_axis(_pad_axis(q, 3, head_pad), 1, q_pad)
-    kp = _pad_axis(_pad_axis(k, 3, head_pad), 1, kv_pad)
-    vp = _pad_axis(_pad_axis(v, 3, head_pad), 1, kv_pad)
-    if spec.has_segments:  # edge padding keeps each block's id interval unchanged
+    qp = _pad_axis(_pad_head_dim(q, spec, head_pad, True), 1, q_pad)
+    kp = _pad_axis(_pad_head_dim(k, spec, head_pad, True), 1, kv_pad)
+    vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, kv_pad)
+
+    fields = _info_fields(spec)
+    side = (None, None, None)
+    if fields:
+        q_info = _side_info(fields, q_pad, q_seg, q_pos)
+        kv_info = _side_info(fields, kv_pad, kv_seg, kv_pos)
+        inv_freq = None
+        if spec.rope is not None:  # theta as the reference computes it, zero on padded pairs
+            inv_freq = _pad_axis(inverse_frequencies(head_dim, spec.rope.base), 0, head_pad // 2)
+        side = (q_info, kv_info, inv_freq)
+    if spec.has_segments:
         q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
         kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad, mode="edge")
 
@@ -449,7 +577,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec,
         return block_ranges(spec, q_len, kv_len, bq, bk, q_pad // bq, kv_pad // bk,
                             q_seg, kv_seg, key_major=key_major)
 
-    out, lse = _flash(st, qp, kp, vp, q_seg, kv_seg,
+    out, lse = _flash(st, qp, kp, vp, side,
                       ranges(blocks.block_q, blocks.block_k, False),
                       ranges(blocks.block_q_dq, blocks.block_k_dq, False),
                       ranges(blocks.block_q_dkv, blocks.block_k_dkv, True))

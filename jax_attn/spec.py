@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_attn.rope import Rope
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
@@ -30,6 +32,7 @@ class AttentionSpec:
     softcap: float | None = None
     has_segments: bool = False
     precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    rope: Rope | None = None  # rotate q and k by their positions (fused in the kernels)
 
     @property
     def right_reach(self) -> int | None:

@@ -9,11 +9,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_attn.rope import apply_rope
 from jax_attn.spec import AttentionSpec, visible
 
 
-def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec):
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], ids [B, Sq]/[B, Sk] or None -> (out, lse [B, Hq, Sq])."""
+def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None):
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], ids [B, Sq]/[B, Sk] or None -> (out, lse [B, Hq, Sq]).
+
+    With spec.rope, q and k are first rotated by q_pos [B, Sq] / kv_pos [B, Sk] (plain jnp)."""
+    if spec.rope is not None:
+        q, k = apply_rope(q, q_pos, spec.rope), apply_rope(k, kv_pos, spec.rope)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
