@@ -22,6 +22,8 @@ class Case:
     dtype: str  # "float32" | "float16" | "bfloat16"
     kwargs: tuple[tuple[str, Any], ...] = ()
     segments: str | None = None  # None | "packed" | "pair_with_empty_rows"
+    rope: tuple[str, float] | None = None  # (style, base): fused RoPE, built per framework
+    positions: str | None = None  # None (arange) | "restart_per_segment" | "pair_random"
     seed: int = 0
     gpu: bool = False
     quick: bool = False
@@ -37,7 +39,21 @@ class Case:
         k = rng.standard_normal((b, sk, hkv, d))
         v = rng.standard_normal((b, sk, hkv, d))
         do = rng.standard_normal((b, sq, hq, d))
-        return q, k, v, do, self._segment_ids(rng)
+        seg = self._segment_ids(rng)
+        return q, k, v, do, seg, self._positions(rng, seg)
+
+    def _positions(self, rng, seg):
+        b, sq, sk = self.shape[:3]
+        if self.positions is None:
+            return None
+        if self.positions == "restart_per_segment":  # packed sequences: 0, 1, ... per segment
+            starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1, axis=1) != 0,
+                                                    np.arange(sq)[None, :], 0), axis=1)
+            return (np.arange(sq)[None, :] - starts).astype(np.int32)
+        if self.positions == "pair_random":
+            return (rng.integers(0, 4096, (b, sq)).astype(np.int32),
+                    rng.integers(0, 4096, (b, sk)).astype(np.int32))
+        raise ValueError(f"unknown positions={self.positions!r}")
 
     def _segment_ids(self, rng):
         b, sq, sk = self.shape[:3]
@@ -54,9 +70,14 @@ class Case:
         raise ValueError(f"unknown segments={self.segments!r}")
 
 
-def _case(name, shape, dtype="float32", segments=None, gpu=False, quick=False, **kwargs):
-    return Case(name, "standard", shape, dtype, tuple(sorted(kwargs.items())), segments,
-                seed=zlib.crc32(name.encode()), gpu=gpu, quick=quick)
+def _case(name, shape, dtype="float32", segments=None, gpu=False, quick=False, variant="standard",
+          rope=None, positions=None, **kwargs):
+    return Case(name, variant, shape, dtype, tuple(sorted(kwargs.items())), segments, rope,
+                positions, seed=zlib.crc32(name.encode()), gpu=gpu, quick=quick)
+
+
+def _rope_case(name, shape, style, dtype="float32", **kwargs):
+    return _case(name, shape, dtype, variant="rope", rope=(style, kwargs.pop("base", 10000.0)), **kwargs)
 
 
 CASES: list[Case] = [
@@ -79,4 +100,17 @@ CASES: list[Case] = [
     _case("bf16_empty_rows_d256", (1, 700, 900, 4, 2, 256), "bfloat16",
           segments="pair_with_empty_rows", gpu=True),
     _case("fp32_causal_2k", (1, 2048, 2048, 4, 2, 128), causal=True, gpu=True),
+    # Fused RoPE (q, k rotated inside the kernels), both pairings.
+    _rope_case("rope_interleaved_causal_gqa", (1, 64, 64, 6, 2, 32), "interleaved", causal=True,
+               quick=True),
+    _rope_case("rope_half_packed", (2, 72, 72, 4, 2, 40), "half", segments="packed",
+               positions="restart_per_segment", causal=True),
+    _rope_case("rope_half_cross_pair", (1, 40, 56, 2, 1, 64), "half", positions="pair_random",
+               base=500.0, window=(20, 20)),
+    _rope_case("rope_interleaved_fp16", (1, 64, 64, 2, 2, 64), "interleaved", dtype="float16"),
+    _rope_case("rope_half_bf16_2k", (2, 2048, 2048, 8, 2, 128), "half", dtype="bfloat16",
+               causal=True, gpu=True),
+    _rope_case("rope_interleaved_bf16_4k_packed", (1, 4096, 4096, 4, 4, 128), "interleaved",
+               dtype="bfloat16", segments="packed", positions="restart_per_segment", causal=True,
+               gpu=True),
 ]

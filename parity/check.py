@@ -59,15 +59,18 @@ def _to_np(x) -> np.ndarray:
 
 def run_jax(case: Case, implementation: str, dtype: str, inputs):
     """out, lse, dq, dk, dv (float64 NumPy) from jax_attn on the default JAX device."""
-    q, k, v, do, seg = inputs
+    q, k, v, do, seg, pos = inputs
     jdt = {"float64": jnp.float64, "float32": jnp.float32, "float16": jnp.float16,
            "bfloat16": jnp.bfloat16}[dtype]
     cast = lambda x: jnp.asarray(x, jdt)
-    seg_j = None if seg is None else (
-        tuple(jnp.asarray(s) for s in seg) if isinstance(seg, tuple) else jnp.asarray(seg))
+    ints = lambda x: None if x is None else (
+        tuple(jnp.asarray(s) for s in x) if isinstance(x, tuple) else jnp.asarray(x))
+    extra = {} if case.rope is None else dict(
+        rope=jax_attn.Rope(style=case.rope[0], base=case.rope[1]), positions=ints(pos))
+
     def f(q, k, v):
-        return jax_attn.flash_attention(q, k, v, segment_ids=seg_j, return_lse=True,
-                                        implementation=implementation, **case.call_kwargs())
+        return jax_attn.flash_attention(q, k, v, segment_ids=ints(seg), return_lse=True,
+                                        implementation=implementation, **case.call_kwargs(), **extra)
 
     (out, lse), vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v))
     grads = vjp((cast(do), jnp.zeros_like(lse)))
@@ -76,15 +79,17 @@ def run_jax(case: Case, implementation: str, dtype: str, inputs):
 
 def run_torch(case: Case, implementation: str, dtype: str, inputs, device):
     """out, lse, dq, dk, dv (float64 NumPy) from torch_ref."""
-    q, k, v, do, seg = inputs
+    q, k, v, do, seg, pos = inputs
     tdt = TORCH_DTYPES[dtype]
     leaf = lambda x: torch.tensor(x, dtype=tdt, device=device, requires_grad=True)
     qt, kt, vt = leaf(q), leaf(k), leaf(v)
     ids = lambda s: torch.tensor(s, dtype=torch.int32, device=device)
-    seg_t = None if seg is None else (tuple(ids(s) for s in seg) if isinstance(seg, tuple) else ids(seg))
+    ints = lambda x: None if x is None else (tuple(ids(s) for s in x) if isinstance(x, tuple) else ids(x))
+    extra = {} if case.rope is None else dict(
+        rope=torch_ref.Rope(style=case.rope[0], base=case.rope[1]), positions=ints(pos))
     impl = "eager" if dtype == "float64" else implementation
-    out, lse = torch_ref.flash_attention(qt, kt, vt, segment_ids=seg_t, return_lse=True,
-                                         implementation=impl, **case.call_kwargs())
+    out, lse = torch_ref.flash_attention(qt, kt, vt, segment_ids=ints(seg), return_lse=True,
+                                         implementation=impl, **case.call_kwargs(), **extra)
     grads = torch.autograd.grad(out, (qt, kt, vt), torch.tensor(do, dtype=tdt, device=device))
     return [_to_np(x) for x in (out, lse, *grads)]
 

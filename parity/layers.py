@@ -1,0 +1,474 @@
+"""Layer-level parity: `jax_attn.layers` against their `torch_ref.layers` twins, and a training run.
+
+Layer cases (`kind` "attention" = MultiHeadSelfAttention, "encoder" = EncoderBlock), for the
+position schemes "none", "absolute", "rope": the Flax layer is built from the case's seed (every
+parameter then shifted by seeded noise, so biases and LayerNorm parameters are not 0/1 and a
+swapped copy could not go unnoticed), copied to the torch twin by `parity.bridge`; identical
+NumPy input x and output cotangent go to both; compared are the output, dx and the gradient of
+EVERY parameter (quantity "d <torch name>"), each with the tolerance rule of `parity.tolerance`:
+  golden = the torch twin in float64, implementation="eager" (weights copied as float64);
+  naive  = each framework's plain implementation in the compute dtype ("xla" / "eager");
+  fast   = "jax pallas_triton" / "torch triton".
+fp32 throughout, with exact matmuls (`jax.default_matmul_precision("highest")` around the JAX
+computations, torch TF32 off). A row "golden torch-f64 vs jax-f64" checks that the Flax layer in
+float64 ("xla", weights from the torch golden through `torch_to_flax`) agrees with the golden to
+1e-10: the cross-framework check of the layers' definitions (PE, LayerNorm, GELU, head layout).
+
+The training case ("train"): a tiny encoder (embedding-free: 2 EncoderBlocks + a linear head,
+d_model 32, 4 heads, seq 16, batch 4) regresses a synthetic target (the running mean of the
+first input features, which needs attention) with plain SGD, 20 steps, the same learning rate,
+identical initial weights (bridge) and identical batches in both frameworks; the per-step losses
+must pass the rule at EVERY step (golden: the float64 torch eager run; naive: the fp32 plain run
+of each framework). Which implementations train:
+  JAX:   "pallas_triton" (fast) and "xla" (naive); the Pallas interpreter is cheap once jitted.
+  torch: "eager" only on CPU -- the Triton interpreter needs ~1 s per attention call at these
+         shapes, 80 calls per run -- and "triton" as well on a GPU.
+
+CPU cost: the fast implementations run through interpreters there, so only cases with
+`cpu_kernels=True` run them on CPU (all do on a GPU); the others compare the plain
+implementations and the float64 cross-framework row.
+
+Entry points for `python -m parity.check`: `LAYER_CASES` and `check_layer_case(case, device)`,
+which returns rows in the format of `parity.check.check_case`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():  # the Triton interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from torch import nn  # noqa: E402
+
+import jax_attn.layers as jl  # noqa: E402
+import torch_ref.layers as tl  # noqa: E402
+from parity import bridge  # noqa: E402
+from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare  # noqa: E402
+
+GOLDEN_AGREEMENT = 1e-10
+NP_DTYPES = {"float32": np.float32, "float64": np.float64}
+JAX_DTYPES = {"float32": jnp.float32, "float64": jnp.float64}
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# implementation label -> (framework, implementation, is the framework's plain one)
+IMPLEMENTATIONS = {
+    "jax pallas_triton": ("jax", "pallas_triton"),
+    "jax xla": ("jax", "xla"),
+    "torch triton": ("torch", "triton"),
+    "torch eager": ("torch", "eager"),
+}
+PLAIN = {"jax": "jax xla", "torch": "torch eager"}
+PARAM_NOISE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+    name: str
+    kind: str  # "attention" | "encoder" | "train"
+    position: str  # "none" | "absolute" | "rope"
+    shape: tuple[int, int, int, int, int]  # batch, seq, d_model, num_heads, num_kv_heads
+    d_ff: int = 64
+    dtype: str = "float32"
+    kwargs: tuple[tuple[str, Any], ...] = ()  # causal / window / softcap
+    packed: bool = False  # segment ids + positions restarting in every segment
+    cpu_kernels: bool = False  # run the fast (interpreted) implementations on CPU too
+    num_blocks: int = 2  # "train" only
+    steps: int = 20  # "train" only
+    lr: float = 0.05  # "train" only
+    d_out: int = 4  # "train" only
+    seed: int = 0
+    variant: str = "layers"
+    gpu: bool = False
+    quick: bool = False
+
+    def layer_kwargs(self) -> dict:
+        batch, seq, d_model, heads, kv_heads = self.shape
+        return dict(num_kv_heads=kv_heads, position=self.position, **dict(self.kwargs))
+
+
+def _case(name, kind, position, shape, **kw) -> LayerCase:
+    return LayerCase(name, kind, position, shape, seed=zlib.crc32(name.encode()), **kw)
+
+
+LAYER_CASES: list[LayerCase] = [
+    _case("layer_attention_none_gqa", "attention", "none", (2, 16, 32, 4, 2), cpu_kernels=True, quick=True),
+    _case("layer_attention_absolute_causal", "attention", "absolute", (2, 16, 32, 4, 4), kwargs=(("causal", True),)),
+    _case("layer_attention_rope_window", "attention", "rope", (2, 16, 32, 4, 1), kwargs=(("window", (5, 2)),)),
+    _case("layer_encoder_none_softcap", "encoder", "none", (2, 16, 32, 4, 4), kwargs=(("softcap", 5.0),)),
+    _case("layer_encoder_absolute_packed", "encoder", "absolute", (2, 16, 32, 4, 2), packed=True,
+          kwargs=(("causal", True),), cpu_kernels=True, quick=True),
+    _case("layer_encoder_rope_packed", "encoder", "rope", (2, 16, 32, 4, 2), packed=True, cpu_kernels=True),
+    _case("train_encoder_absolute", "train", "absolute", (4, 16, 32, 4, 4), kwargs=(("causal", True),),
+          quick=True),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs and models
+# ------------------------------------------------------------------------------------------------
+def draw_inputs(case: LayerCase):
+    """Seeded float64 x [B, S, d_model], cotangent [B, S, d_model], segment ids and positions
+    (int32 [B, S] or None)."""
+    rng = np.random.default_rng(case.seed)
+    batch, seq, d_model = case.shape[:3]
+    x = rng.standard_normal((batch, seq, d_model))
+    ct = rng.standard_normal((batch, seq, d_model))
+    seg = pos = None
+    if case.packed:
+        seg = np.zeros((batch, seq), np.int32)
+        pos = np.zeros((batch, seq), np.int32)
+        for b in range(batch):
+            cuts = np.sort(rng.choice(np.arange(1, seq), size=2, replace=False))
+            seg[b] = np.searchsorted(cuts, np.arange(seq), side="right")
+            starts = np.concatenate([[0], cuts])[seg[b]]
+            pos[b] = np.arange(seq) - starts
+        if case.position == "none":
+            pos = None  # position="none" takes no positions
+    return x, ct, seg, pos
+
+
+class FlaxTinyEncoder(nnx.Module):
+    """`num_blocks` EncoderBlocks and a linear head: [B, S, d_model] -> [B, S, d_out]."""
+
+    def __init__(self, case: LayerCase, *, implementation, dtype=jnp.float32, rngs):
+        d_model, heads = case.shape[2], case.shape[3]
+        self.blocks = nnx.List([
+            jl.EncoderBlock(d_model, heads, case.d_ff, implementation=implementation, dtype=dtype,
+                            param_dtype=dtype, rngs=rngs, **case.layer_kwargs())
+            for _ in range(case.num_blocks)])
+        self.head = nnx.Linear(d_model, case.d_out, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class TorchTinyEncoder(nn.Module):
+    """Twin of `FlaxTinyEncoder` (same names: blocks.<i>.*, head)."""
+
+    def __init__(self, case: LayerCase, *, implementation, dtype=torch.float32, device=None):
+        super().__init__()
+        d_model, heads = case.shape[2], case.shape[3]
+        self.blocks = nn.ModuleList([
+            tl.EncoderBlock(d_model, heads, case.d_ff, implementation=implementation, dtype=dtype,
+                            param_dtype=dtype, device=device, **case.layer_kwargs())
+            for _ in range(case.num_blocks)])
+        self.head = nn.Linear(d_model, case.d_out, dtype=dtype, device=device)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_flax(case: LayerCase, implementation: str, dtype: str = "float32"):
+    d_model, heads = case.shape[2], case.shape[3]
+    jdt, rngs = JAX_DTYPES[dtype], nnx.Rngs(case.seed)
+    if case.kind == "train":
+        return FlaxTinyEncoder(case, implementation=implementation, dtype=jdt, rngs=rngs)
+    if case.kind == "encoder":
+        return jl.EncoderBlock(d_model, heads, case.d_ff, implementation=implementation, dtype=jdt,
+                               param_dtype=jdt, rngs=rngs, **case.layer_kwargs())
+    if case.kind == "attention":
+        return jl.MultiHeadSelfAttention(d_model, heads, implementation=implementation, dtype=jdt,
+                                         param_dtype=jdt, rngs=rngs, **case.layer_kwargs())
+    raise ValueError(f"unknown layer case kind={case.kind!r}")
+
+
+def build_torch(case: LayerCase, implementation: str, dtype: str, device):
+    d_model, heads = case.shape[2], case.shape[3]
+    tdt = TORCH_DTYPES[dtype]
+    if case.kind == "train":
+        return TorchTinyEncoder(case, implementation=implementation, dtype=tdt, device=device)
+    if case.kind == "encoder":
+        return tl.EncoderBlock(d_model, heads, case.d_ff, implementation=implementation, dtype=tdt,
+                               param_dtype=tdt, device=device, **case.layer_kwargs())
+    if case.kind == "attention":
+        return tl.MultiHeadSelfAttention(d_model, heads, implementation=implementation, dtype=tdt,
+                                         param_dtype=tdt, device=device, **case.layer_kwargs())
+    raise ValueError(f"unknown layer case kind={case.kind!r}")
+
+
+def perturb(flax_module, seed: int, scale: float = PARAM_NOISE) -> None:
+    """Add seeded N(0, scale^2) noise to every parameter (in path order), in place."""
+    rng = np.random.default_rng(seed)
+    params = sorted(((p, v) for p, v in nnx.iter_graph(flax_module) if isinstance(v, nnx.Param)),
+                    key=lambda item: tuple(map(str, item[0])))
+    for _, param in params:
+        value = param.get_value()
+        param.set_value(value + jnp.asarray(scale * rng.standard_normal(value.shape), value.dtype))
+
+
+def master_flax(case: LayerCase):
+    """The case's reference weights: the fp32 Flax model from the seed, perturbed."""
+    module = build_flax(case, "xla")
+    perturb(module, case.seed + 1)
+    return module
+
+
+def flax_with_weights(case: LayerCase, implementation: str, master):
+    """An fp32 Flax model for `implementation` holding the master's parameters."""
+    module = build_flax(case, implementation)
+    nnx.update(module, nnx.state(master, nnx.Param))
+    return module
+
+
+def torch_with_weights(case: LayerCase, implementation: str, dtype: str, master, device):
+    module = build_torch(case, implementation, dtype, device)
+    bridge.flax_to_torch(master, module)
+    return module
+
+
+@contextlib.contextmanager
+def exact_fp32():
+    """Exact fp32 matmuls: JAX "highest" precision, torch TF32 off (restored afterwards)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with jax.default_matmul_precision("highest"):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# ------------------------------------------------------------------------------------------------
+# One forward + backward
+# ------------------------------------------------------------------------------------------------
+def _np64(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(x, np.float64)
+
+
+def run_jax_layer(module, case: LayerCase, dtype: str, inputs) -> dict[str, np.ndarray]:
+    """{"out", "dx", "d <torch name>"...} (float64 NumPy) from a Flax layer: output and the vjp
+    with the case's cotangent."""
+    x, ct, seg, pos = inputs
+    jdt = JAX_DTYPES[dtype]
+    seg_j = None if seg is None else jnp.asarray(seg)
+    pos_j = None if pos is None else jnp.asarray(pos)
+    graphdef, state = nnx.split(module)
+
+    @jax.jit
+    def fwd_bwd(state, x, ct):
+        f = lambda state, x: nnx.merge(graphdef, state)(x, segment_ids=seg_j, positions=pos_j)
+        out, vjp = jax.vjp(f, state, x)
+        dstate, dx = vjp(ct)
+        return out, dstate, dx
+
+    out, dstate, dx = fwd_bwd(state, jnp.asarray(x, jdt), jnp.asarray(ct, jdt))
+    result = {"out": _np64(out), "dx": _np64(dx)}
+    result.update({f"d {name}": g for name, g in bridge.flax_tree_in_torch_layout(module, dstate).items()})
+    return result
+
+
+def run_torch_layer(module, case: LayerCase, dtype: str, inputs, device) -> dict[str, np.ndarray]:
+    x, ct, seg, pos = inputs
+    tdt = TORCH_DTYPES[dtype]
+    xt = torch.tensor(x, dtype=tdt, device=device, requires_grad=True)
+    ids = lambda a: None if a is None else torch.tensor(a, dtype=torch.int32, device=device)
+    out = module(xt, segment_ids=ids(seg), positions=ids(pos))
+    names, params = zip(*module.named_parameters())
+    grads = torch.autograd.grad(out, (xt, *params), torch.tensor(ct, dtype=tdt, device=device))
+    result = {"out": _np64(out), "dx": _np64(grads[0])}
+    result.update({f"d {name}": _np64(g) for name, g in zip(names, grads[1:])})
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+# ------------------------------------------------------------------------------------------------
+def draw_training_data(case: LayerCase):
+    """Seeded batches x [steps, B, S, d_model] and targets y [steps, B, S, d_out] (float64): y is
+    the running mean over the sequence of x's first d_out features (needs attention)."""
+    rng = np.random.default_rng(case.seed)
+    batch, seq, d_model = case.shape[:3]
+    x = rng.standard_normal((case.steps, batch, seq, d_model))
+    counts = np.arange(1, seq + 1)[None, None, :, None]
+    y = np.cumsum(x[..., :case.d_out], axis=2) / counts
+    return x, y
+
+
+def train_jax(module, case: LayerCase, dtype: str, data) -> np.ndarray:
+    """Per-step losses (before each update) of plain SGD on a Flax model."""
+    xs, ys = data
+    jdt = JAX_DTYPES[dtype]
+    graphdef, params = nnx.split(module)
+
+    @jax.jit
+    def step(params, x, y):
+        loss_fn = lambda p: jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return loss, jax.tree.map(lambda p, g: p - case.lr * g, params, grads)
+
+    losses = []
+    for x, y in zip(xs, ys):
+        loss, params = step(params, jnp.asarray(x, jdt), jnp.asarray(y, jdt))
+        losses.append(float(loss))
+    return np.asarray(losses)
+
+
+def train_torch(module, case: LayerCase, dtype: str, data, device) -> np.ndarray:
+    xs, ys = data
+    tdt = TORCH_DTYPES[dtype]
+    params = list(module.parameters())
+    losses = []
+    for x, y in zip(xs, ys):
+        out = module(torch.tensor(x, dtype=tdt, device=device))
+        loss = torch.mean((out - torch.tensor(y, dtype=tdt, device=device)) ** 2)
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.sub_(case.lr * g)
+        losses.append(loss.item())
+    return np.asarray(losses)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows
+# ------------------------------------------------------------------------------------------------
+def _crash_row(case, impl, e) -> dict:
+    return dict(case=case.name, impl=impl, quantity="all", error=float("inf"), allowed=0.0,
+                ratio=float("inf"), ok=False, reason=f"{type(e).__name__}: {e}"[:300])
+
+
+def _agreement_row(case, golden: dict, golden_jax: dict) -> dict:
+    if set(golden) != set(golden_jax):
+        diff = sorted(set(golden) ^ set(golden_jax))
+        return dict(case=case.name, impl="golden torch-f64 vs jax-f64", quantity="all", error=float("inf"),
+                    allowed=GOLDEN_AGREEMENT, ratio=float("inf"), ok=False, reason=f"quantities differ: {diff}")
+    err = max(float(np.max(np.abs(golden[k] - golden_jax[k]), initial=0.0)) for k in golden)
+    ok = bool(np.isfinite(err) and err <= GOLDEN_AGREEMENT)
+    return dict(case=case.name, impl="golden torch-f64 vs jax-f64", quantity="all", error=err,
+                allowed=GOLDEN_AGREEMENT, ratio=err / GOLDEN_AGREEMENT, ok=ok, reason="")
+
+
+def _compare_rows(case, impl, fast: dict, naive: dict, golden: dict, t0: float) -> list[dict]:
+    rows = []
+    for name in golden:
+        if name not in fast:
+            rows.append(dict(case=case.name, impl=impl, quantity=name, error=float("inf"), allowed=0.0,
+                             ratio=float("inf"), ok=False, reason="missing", seconds=time.time() - t0))
+            continue
+        factor = FORWARD_FACTOR if name == "out" else GRADIENT_FACTOR
+        v = compare(fast[name], naive[name], golden[name], NP_DTYPES[case.dtype], factor)
+        rows.append(dict(case=case.name, impl=impl, quantity=name, error=v.error, allowed=v.allowed,
+                         ratio=v.ratio, ok=v.ok, reason=v.reason, seconds=time.time() - t0))
+    return rows
+
+
+def _stepwise_row(case, impl, fast, naive, golden, t0) -> dict:
+    """The rule applied at every training step; the row reports the worst step."""
+    verdicts = [compare(f, n, g, NP_DTYPES[case.dtype], FORWARD_FACTOR)
+                for f, n, g in zip(fast[:, None], naive[:, None], golden[:, None])]
+    worst = max(range(len(verdicts)), key=lambda i: verdicts[i].ratio)
+    v = verdicts[worst]
+    failed = [i for i, w in enumerate(verdicts) if not w.ok]
+    reason = v.reason or (f"fails at steps {failed}" if failed else "")
+    return dict(case=case.name, impl=impl, quantity=f"loss x{len(verdicts)} (worst step {worst})",
+                error=v.error, allowed=v.allowed, ratio=v.ratio, ok=not failed, reason=reason,
+                seconds=time.time() - t0)
+
+
+def _implementations(case: LayerCase, device) -> list[str]:
+    on_gpu = torch.device(device).type == "cuda"
+    impls = ["jax xla", "torch eager"]
+    if case.kind == "train":
+        return ["jax pallas_triton", *impls, *(["torch triton"] if on_gpu else [])]
+    if on_gpu or case.cpu_kernels:
+        impls = ["jax pallas_triton", *impls, "torch triton"]
+    return impls
+
+
+def check_layer_case(case: LayerCase, device) -> list[dict]:
+    """Rows of the report for one layer case, in the format of `parity.check.check_case`."""
+    if case.kind == "train":
+        return _check_training(case, device)
+    inputs = draw_inputs(case)
+    master = master_flax(case)
+    golden_torch = torch_with_weights(case, "eager", "float64", master, device)
+    golden = run_torch_layer(golden_torch, case, "float64", inputs, device)
+    rows = []
+    try:
+        with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+            jax64 = build_flax(case, "xla", "float64")
+            bridge.torch_to_flax(golden_torch, jax64)
+            golden_jax = run_jax_layer(jax64, case, "float64", inputs)
+        rows.append(_agreement_row(case, golden, golden_jax))
+    except Exception as e:  # reported, like a crashing implementation
+        rows.append(_crash_row(case, "golden torch-f64 vs jax-f64", e))
+    with exact_fp32():
+        def run(impl):
+            framework, implementation = IMPLEMENTATIONS[impl]
+            if framework == "jax":
+                return run_jax_layer(flax_with_weights(case, implementation, master), case, case.dtype, inputs)
+            module = torch_with_weights(case, implementation, case.dtype, master, device)
+            return run_torch_layer(module, case, case.dtype, inputs, device)
+
+        naive = {}
+        for impl in _implementations(case, device):
+            t0 = time.time()
+            framework = IMPLEMENTATIONS[impl][0]
+            try:
+                fast = run(impl)
+                if impl == PLAIN[framework]:
+                    naive[framework] = fast
+                elif framework not in naive:
+                    naive[framework] = run(PLAIN[framework])
+            except Exception as e:
+                rows.append(_crash_row(case, impl, e))
+                continue
+            rows += _compare_rows(case, impl, fast, naive[framework], golden, t0)
+    return rows
+
+
+def _check_training(case: LayerCase, device) -> list[dict]:
+    data = draw_training_data(case)
+    master = master_flax(case)
+    golden_torch = torch_with_weights(case, "eager", "float64", master, device)
+    golden_start = {k: v.detach().clone() for k, v in golden_torch.state_dict().items()}
+    golden = train_torch(golden_torch, case, "float64", data, device)
+    rows = []
+    try:
+        golden_torch.load_state_dict(golden_start)  # the float64 start again, for the JAX copy
+        with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+            jax64 = build_flax(case, "xla", "float64")
+            bridge.torch_to_flax(golden_torch, jax64)
+            golden_jax = train_jax(jax64, case, "float64", data)
+        rows.append(_agreement_row(case, {"loss": golden}, {"loss": golden_jax}))
+    except Exception as e:
+        rows.append(_crash_row(case, "golden torch-f64 vs jax-f64", e))
+    with exact_fp32():
+        def run(impl):
+            framework, implementation = IMPLEMENTATIONS[impl]
+            if framework == "jax":
+                return train_jax(flax_with_weights(case, implementation, master), case, case.dtype, data)
+            return train_torch(torch_with_weights(case, implementation, case.dtype, master, device), case,
+                               case.dtype, data, device)
+
+        naive = {}
+        for impl in _implementations(case, device):
+            t0 = time.time()
+            framework = IMPLEMENTATIONS[impl][0]
+            try:
+                fast = run(impl)
+                if impl == PLAIN[framework]:
+                    naive[framework] = fast
+                elif framework not in naive:
+                    naive[framework] = run(PLAIN[framework])
+            except Exception as e:
+                rows.append(_crash_row(case, impl, e))
+                continue
+            rows.append(_stepwise_row(case, impl, fast, naive[framework], golden, t0))
+    return rows
