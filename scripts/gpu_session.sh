@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a lent GPU (no network, packages preinstalled): GPU tests, the parity check and
-# the benchmarks, logs under $OUT. Usage: bash scripts/gpu_session.sh [tests|parity|bench|all]...
+# the benchmarks, logs under $OUT. Usage: bash scripts/gpu_session.sh [warn|tests|parity|rope|bench|all]...
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -25,6 +25,9 @@ fi
 if has parity; then
   timeout 300 python3 -m parity.check --json "$OUT/parity-gpu.json" > "$OUT/parity-gpu.txt" 2>&1
   echo "parity exit $?"; grep -E "FAIL|passed in|Error" "$OUT/parity-gpu.txt" | head -30
+fi
+if has rope; then
+  timeout 300 python3 benchmarks/rope.py --out "$OUT" 2>&1 | tee "$OUT/rope-log.txt" | tail -12
 fi
 if has bench; then
   timeout 480 python3 benchmarks/attention.py --out "$OUT" 2>&1 | tee "$OUT/bench-log.txt" | tail -40

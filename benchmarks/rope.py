@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Fused RoPE benchmark (GPU): is rotating q/k inside the kernels cheaper than a separate pass?
+
+Run from the repository root: `PYTHONPATH=. python3 benchmarks/rope.py --out benchmarks/results`.
+
+Rows (bf16, causal, forward and forward+backward; default shape 2x8192x16x128):
+  plain      jax_attn.flash_attention without RoPE (the cost floor)
+  fused      jax_attn.flash_attention(..., rope=Rope(style))        (q, k rotated after load)
+  xla+ours   jax_attn.apply_rope on q, k by XLA, then jax_attn.flash_attention
+  xla+cudnn  jax_attn.apply_rope by XLA, then jax.nn.dot_product_attention(implementation="cudnn")
+Targets (issue 4): fused fwd+bwd <= 1.05x the time of plain, and >= 1.05x faster than xla+ours.
+FLOPs counted as for attention alone (4*B*S*S*H*D, halved for causal, x3.5 for fwd+bwd), so
+TF/s compare directly with benchmarks/attention.py.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from benchmarks.attention import (_make_fwdbwd, device_info, flops, log, slugify, time_jax,
+                                  versions, write_json)
+
+import jax  # noqa: E402  (benchmarks.attention configured the allocator before importing jax)
+import jax.numpy as jnp  # noqa: E402
+
+import jax_attn  # noqa: E402
+from jax_attn import Rope, apply_rope, flash_attention  # noqa: E402
+
+
+def candidates(style: str, causal: bool, positions):
+    rope = Rope(style=style)
+    rotate = lambda q, k: (apply_rope(q, positions, rope), apply_rope(k, positions, rope))
+    return {
+        "plain": lambda q, k, v: flash_attention(q, k, v, causal=causal),
+        "fused": lambda q, k, v: flash_attention(q, k, v, causal=causal, rope=rope),
+        "xla+ours": lambda q, k, v: flash_attention(*rotate(q, k), v, causal=causal),
+        "xla+cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            *rotate(q, k), v, is_causal=causal, implementation="cudnn"),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--shape", default="2,8192,16,128", help="B,S,H,D")
+    parser.add_argument("--styles", default="half,interleaved")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--target-ms", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    B, S, H, D = (int(x) for x in args.shape.split(","))
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in keys)
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    name, kind, _ = device_info(False)
+    rows = []
+    for style in args.styles.split(","):
+        for mode in ("fwd", "fwdbwd"):
+            for impl, f in candidates(style, True, positions).items():
+                row = dict(impl=impl, style=style, mode=mode, B=B, S=S, H=H, D=D, causal=True,
+                           dtype="bfloat16")
+                try:
+                    g = jax.jit(f) if mode == "fwd" else jax.jit(_make_fwdbwd(f))
+                    call_args = (q, k, v) if mode == "fwd" else (q, k, v, do)
+                    ms, _, first_s = time_jax(g, call_args, args.target_ms, args.repeats)
+                    row.update(ms=ms, tflops=flops(B, S, H, D, True, mode) / (ms * 1e-3) / 1e12,
+                               first_call_s=first_s)
+                    log(f"{style:12s} {mode:7s} {impl:10s} {ms:8.3f} ms {row['tflops']:7.1f} TF/s")
+                except Exception as e:  # recorded, the run goes on
+                    row["error"] = f"{type(e).__name__}: {e}"[:500]
+                    log(f"{style:12s} {mode:7s} {impl:10s} error {row['error'][:120]}")
+                rows.append(row)
+    by = {(r["style"], r["mode"], r["impl"]): r.get("ms") for r in rows}
+    print("\n| style | mode | plain ms | fused ms | xla+ours ms | xla+cudnn ms | fused/plain | xla+ours/fused |")
+    print("|---|---|---|---|---|---|---|---|")
+    for style in args.styles.split(","):
+        for mode in ("fwd", "fwdbwd"):
+            t = [by.get((style, mode, i)) for i in ("plain", "fused", "xla+ours", "xla+cudnn")]
+            ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"
+            cells = " | ".join(f"{x:.3f}" if x else "err" for x in t)
+            print(f"| {style} | {mode} | {cells} | {ratio(t[1], t[0])} | {ratio(t[2], t[1])} |")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"rope-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
+    write_json(path, dict(device=name, date=time.strftime("%Y-%m-%d"), versions=versions(),
+                          jax_attn_device=str(jax_attn.device_info()), rows=rows))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
