@@ -1,14 +1,17 @@
 """PyTorch + Triton reference backend of the attention library.
 
 `flash_attention` (Triton kernels or eager PyTorch, see its docstring), `flash_attention_reference`
-(the eager reference returning (out, lse)) and `FlashConfig` (the kernels' tile configuration).
+(the eager reference returning (out, lse)), `Rope` (rotary position embedding config, fused into
+the kernels; `torch_ref.rope.apply_rope` is the plain rotation) and `FlashConfig` (the kernels'
+tile configuration).
 
 Triton is imported lazily: `import torch_ref` does not import it, so TRITON_INTERPRET=1 may still
 be set afterwards; the first Triton call (or touching `torch_ref.FlashConfig`) imports it.
 """
 from .flash import UnknownImplementationError, flash_attention, flash_attention_reference, resolve_implementation
+from .rope import Rope, apply_rope
 
-__all__ = ["flash_attention", "flash_attention_reference", "FlashConfig", "default_config",
+__all__ = ["flash_attention", "flash_attention_reference", "Rope", "apply_rope", "FlashConfig", "default_config",
            "resolve_implementation", "UnknownImplementationError"]
 
 

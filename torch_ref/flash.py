@@ -12,6 +12,7 @@ import os
 import torch
 
 from . import reference
+from .rope import Rope
 
 MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -33,7 +34,8 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _check_segment(ids, name: str, B: int, S: int, device) -> torch.Tensor:
+def _check_ids(ids, name: str, B: int, S: int, device) -> torch.Tensor:
+    """An integer [B, S] tensor on `device` (segment ids, positions)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor of shape [{B}, {S}], got {type(ids).__name__}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
@@ -95,18 +97,49 @@ def _validate(q, k, v, causal, scale, segment_ids, window, softcap):
             if len(segment_ids) != 2:
                 raise ValueError(f"segment_ids must be one [B, S] tensor or a pair (q_ids, kv_ids), "
                                  f"got a sequence of length {len(segment_ids)}")
-            q_ids = _check_segment(segment_ids[0], "segment_ids[0] (q_ids)", B, Sq, q.device)
-            kv_ids = _check_segment(segment_ids[1], "segment_ids[1] (kv_ids)", B, Sk, q.device)
+            q_ids = _check_ids(segment_ids[0], "segment_ids[0] (q_ids)", B, Sq, q.device)
+            kv_ids = _check_ids(segment_ids[1], "segment_ids[1] (kv_ids)", B, Sk, q.device)
         else:
             if Sq != Sk:
                 raise ValueError(f"a single segment_ids tensor needs Sq == Sk (self-attention), got Sq={Sq}, "
                                  f"Sk={Sk}; pass a pair (q_ids, kv_ids)")
-            q_ids = kv_ids = _check_segment(segment_ids, "segment_ids", B, Sq, q.device)
+            q_ids = kv_ids = _check_ids(segment_ids, "segment_ids", B, Sq, q.device)
     return scale, q_ids, kv_ids, window, softcap
 
 
+def _validate_rope(q, k, rope, positions):
+    """Check rope / positions; return (q_pos [B, Sq], kv_pos [B, Sk]) (None, None without rope).
+
+    positions None means q at arange(Sq) and k at arange(Sk) (each batch row)."""
+    if rope is not None and not isinstance(rope, Rope):
+        raise TypeError(f"rope must be a torch_ref.Rope or None, got {type(rope).__name__}")
+    if rope is None:
+        if positions is not None:
+            raise ValueError("positions given without rope: positions only apply with rope=torch_ref.Rope(...)")
+        return None, None
+    B, Sq, _, D = q.shape
+    Sk = k.shape[1]
+    if D % 2 != 0:
+        raise ValueError(f"head dim must be even for RoPE, got D={D}")
+    if positions is None:
+        return (torch.arange(Sq, dtype=torch.int32, device=q.device).expand(B, Sq),
+                torch.arange(Sk, dtype=torch.int32, device=q.device).expand(B, Sk))
+    if isinstance(positions, (tuple, list)):
+        if len(positions) != 2:
+            raise ValueError(f"positions must be one [B, S] tensor or a pair (q_pos, kv_pos), "
+                             f"got a sequence of length {len(positions)}")
+        return (_check_ids(positions[0], "positions[0] (q_pos)", B, Sq, q.device),
+                _check_ids(positions[1], "positions[1] (kv_pos)", B, Sk, q.device))
+    if Sq != Sk:
+        raise ValueError(f"a single positions tensor needs Sq == Sk (self-attention), got Sq={Sq}, Sk={Sk}; "
+                         f"pass a pair (q_pos, kv_pos)")
+    pos = _check_ids(positions, "positions", B, Sq, q.device)
+    return pos, pos
+
+
 def _segment_pair_for_kernel(q_ids, kv_ids):
-    """One integer dtype for both (int32 unless a side is int64), so the kernel compares like types."""
+    """One integer dtype for both (int32 unless a side is int64), so the kernel compares like types.
+    Also used for the RoPE positions."""
     if q_ids is None:
         return None, None
     dt = torch.int64 if torch.int64 in (q_ids.dtype, kv_ids.dtype) else torch.int32
@@ -154,29 +187,29 @@ class _FlashAttentionFn(torch.autograd.Function):
     enters the backward as delta_i -= dlse_i (d lse_i / d s_ij = P_ij)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, kernels):
+    def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, kernels, rope, q_pos, kv_pos):
         out, lse, stats = kernels.forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
-                                          window=window, softcap=softcap)
-        ctx.save_for_backward(q, k, v, out, *stats, q_ids, kv_ids)
-        ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap)
+                                          window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+        ctx.save_for_backward(q, k, v, out, *stats, q_ids, kv_ids, q_pos, kv_pos)
+        ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope)
         ctx.kernels = kernels
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, m2, inv_l, q_ids, kv_ids = ctx.saved_tensors
+        q, k, v, out, m2, inv_l, q_ids, kv_ids, q_pos, kv_pos = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = ctx.kernels.backward(dout, q, k, v, out, (m2, inv_l), q_ids=q_ids, kv_ids=kv_ids, dlse=dlse,
-                                          **ctx.opts)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                          q_pos=q_pos, kv_pos=kv_pos, **ctx.opts)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
 def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
-                    return_lse=False, implementation=None):
+                    rope=None, positions=None, return_lse=False, implementation=None):
     """Scaled dot-product attention, FlashAttention-style.
 
     Args:
@@ -189,6 +222,13 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
         (q_ids `[B, Sq]`, kv_ids `[B, Sk]`); i sees j only where the ids are equal.
       window: (left, right) non-negative ints; i sees j only if i - left <= j <= i + right.
       softcap: c > 0 applies s = c * tanh(s / c) before masking.
+      rope: a `torch_ref.Rope` (rotary position embedding: q and k, not v, are rotated by their
+        positions before the scores; see torch_ref.rope) or None. Needs an even D. The Triton
+        kernels rotate q and k tiles after loading them (no extra pass over memory), forward
+        and backward (the gradients are rotated back).
+      positions: with rope only. None: q at arange(Sq), k at arange(Sk); one integer tensor
+        `[B, S]` (Sq == Sk; the same positions for q and k, e.g. restarting at 0 in each packed
+        sequence); or a pair (q_pos `[B, Sq]`, kv_pos `[B, Sk]`).
       return_lse: also return lse `[B, Hq, Sq]`, lse_i = log sum_{visible j} exp(s_ij) (natural log;
         float32, float64 for float64 eager). A row with no visible key gets out 0, lse -inf and
         zero gradients.
@@ -209,23 +249,29 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
     """
     impl = resolve_implementation(q, implementation) if isinstance(q, torch.Tensor) else None
     scale, q_ids, kv_ids, window, softcap = _validate(q, k, v, causal, scale, segment_ids, window, softcap)
+    q_pos, kv_pos = _validate_rope(q, k, rope, positions)
     if impl is None:  # unreachable: _validate rejects non-tensors
         raise TypeError("q must be a torch.Tensor")
     if impl == "eager":
         out, lse = reference.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
-                                       window=window, softcap=softcap)
+                                       window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
     else:
         kernels = _triton_module(q)
         q_ids, kv_ids = _segment_pair_for_kernel(q_ids, kv_ids)
-        out, lse = _FlashAttentionFn.apply(q, k, v, q_ids, kv_ids, causal, scale, window, softcap, kernels)
+        q_pos, kv_pos = _segment_pair_for_kernel(q_pos, kv_pos)
+        out, lse = _FlashAttentionFn.apply(q, k, v, q_ids, kv_ids, causal, scale, window, softcap, kernels,
+                                           rope, q_pos, kv_pos)
     return (out, lse) if return_lse else out
 
 
-def flash_attention_reference(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None):
+def flash_attention_reference(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
+                              rope=None, positions=None):
     """The eager reference with the same arguments as `flash_attention`; returns (out, lse).
 
-    Works in float64 too (the golden). Differentiable by autograd.
+    Works in float64 too (the golden; with rope the rotation then runs in float64). Differentiable
+    by autograd.
     """
     scale, q_ids, kv_ids, window, softcap = _validate(q, k, v, causal, scale, segment_ids, window, softcap)
+    q_pos, kv_pos = _validate_rope(q, k, rope, positions)
     return reference.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
-                               softcap=softcap)
+                               softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)

@@ -18,6 +18,10 @@ tile, ignoring segments) or *boundary*. Blocks that no row of the tile can see a
 interior blocks skip the positional mask; boundary blocks (diagonal, window edges, the ragged end
 of the sequence) apply it. Segment ids are data, so with segments every visited block is masked.
 
+RoPE (constexpr ROPE, ROPE_INTERLEAVED; see "RoPE helpers"): q and k tiles are rotated in
+registers right after their load, in every kernel; v is not rotated. The ROPE=False code path is
+the one without RoPE, unchanged (the RoPE branches are compile-time and add only unused arguments).
+
 Importing this module imports triton: the interpreter (`TRITON_INTERPRET=1`) must be chosen in
 the environment before that happens.
 """
@@ -219,20 +223,110 @@ def _query_blocks(n0, Sq, Sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 # ----------------------------------------------------------------------------------------------
+# RoPE helpers (ROPE=True only)
+# ----------------------------------------------------------------------------------------------
+# With RoPE every q / k tile is loaded as its two pair halves x_a, x_b (each [rows, BLOCK_H],
+# BLOCK_H = D/2 padded to a power of two >= 16, masked on the real D/2 columns): for "half" the
+# columns [0, D/2) and [D/2, D), for "interleaved" the even and odd columns (strided offsets 2j and
+# 2j + 1). They are rotated in fp32 right after the load and rounded once to the input dtype (as
+# the eager reference does), so scores are dot(q_a, k_a^T) + dot(q_b, k_b^T): no in-register
+# shuffle. The dq / dk accumulators are kept as two halves (gradients w.r.t. the rotated q, k)
+# and rotated back with R^T before the store.
+@triton.jit
+def _load_1d(ptrs, ok, CHECK: tl.constexpr):
+    if CHECK:
+        x = tl.load(ptrs, mask=ok, other=0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _pair_cols(offs_h, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Columns of the two members of pair j: (2j, 2j + 1) interleaved, (j, j + D/2) half."""
+    if INTERLEAVED:
+        col_a = 2 * offs_h
+        col_b = col_a + 1
+    else:
+        col_a = offs_h
+        col_b = offs_h + HALF
+    return col_a, col_b
+
+
+@triton.jit
+def _rope_cos_sin(pos, theta, TRANS: tl.constexpr):
+    """cos, sin of the angle pos * theta in fp32: [rows, BLOCK_H], or [BLOCK_H, rows] if TRANS.
+
+    pos: fp32 positions [rows]; theta: the fp32 table base ** (-2j / D) [BLOCK_H] (0 on padding),
+    so the fp32 angle is bit-identical to the eager reference's."""
+    if TRANS:
+        angle = theta[:, None] * pos[None, :]
+    else:
+        angle = pos[:, None] * theta[None, :]
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _load_rotated(base, rows, r_ok, s_row, s_col, pos_base, s_pos, theta, offs_h, h_ok, HALF: tl.constexpr,
+                  CHECK_R: tl.constexpr, CHECK_H: tl.constexpr, INTERLEAVED: tl.constexpr, TRANS: tl.constexpr):
+    """Rows `rows` of a q or k tile, rotated by their positions: (x_a', x_b') in the input dtype,
+    each [rows, BLOCK_H] ([BLOCK_H, rows] if TRANS). Padding rows / columns read 0 and stay 0."""
+    col_a, col_b = _pair_cols(offs_h, HALF, INTERLEAVED)
+    pos = _load_1d(pos_base + rows * s_pos, r_ok, CHECK_R).to(tl.float32)
+    if TRANS:
+        x_a = _load_2d(base + col_a[:, None] * s_col + rows[None, :] * s_row, h_ok, r_ok, CHECK_H, CHECK_R)
+        x_b = _load_2d(base + col_b[:, None] * s_col + rows[None, :] * s_row, h_ok, r_ok, CHECK_H, CHECK_R)
+    else:
+        x_a = _load_2d(base + rows[:, None] * s_row + col_a[None, :] * s_col, r_ok, h_ok, CHECK_R, CHECK_H)
+        x_b = _load_2d(base + rows[:, None] * s_row + col_b[None, :] * s_col, r_ok, h_ok, CHECK_R, CHECK_H)
+    c, s = _rope_cos_sin(pos, theta, TRANS)
+    f_a = x_a.to(tl.float32)
+    f_b = x_b.to(tl.float32)
+    r_a = (f_a * c - f_b * s).to(x_a.dtype)
+    r_b = (f_a * s + f_b * c).to(x_a.dtype)
+    return r_a, r_b
+
+
+@triton.jit
+def _store_unrotated(base, rows, r_ok, s_row, s_col, g_a, g_b, pos_base, s_pos, theta, offs_h, h_ok,
+                     HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Store the gradient w.r.t. the unrotated input from (g_a, g_b) [rows, BLOCK_H] (fp32, w.r.t.
+    the rotated one): R^T, (g_a, g_b) -> (g_a cos + g_b sin, -g_a sin + g_b cos)."""
+    col_a, col_b = _pair_cols(offs_h, HALF, INTERLEAVED)
+    pos = tl.load(pos_base + rows * s_pos, mask=r_ok, other=0).to(tl.float32)
+    c, s = _rope_cos_sin(pos, theta, False)
+    d_a = g_a * c + g_b * s
+    d_b = g_b * c - g_a * s
+    mask = r_ok[:, None] & h_ok[None, :]
+    tl.store(base + rows[:, None] * s_row + col_a[None, :] * s_col, d_a.to(base.dtype.element_ty), mask=mask)
+    tl.store(base + rows[:, None] * s_row + col_b[None, :] * s_col, d_b.to(base.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd, sks_s,
-               offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, blk_lo, blk_hi,
-               BLOCK_N: tl.constexpr, CHECK_D: tl.constexpr, POSITIONAL: tl.constexpr,
-               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, sks_s, skp_s,
+               theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul,
+               blk_lo, blk_hi,
+               BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
+               POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
+               ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+    """With ROPE, q and q2 are the rotated pair halves of the query tile; otherwise q is the tile."""
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < Sk
         # Interior blocks lie inside [0, Sk): no bounds check on their loads.
-        kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
-        s2, t = _scores(tl.dot(q, kT, input_precision=PRECISION), score_mul, cap_mul, HAS_SOFTCAP)
+        if ROPE:
+            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                    POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True)
+            qk = tl.dot(q, kT, input_precision=PRECISION)
+            qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
+        else:
+            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
+            qk = tl.dot(q, kT, input_precision=PRECISION)
+        s2, t = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
         v = _load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, POSITIONAL, CHECK_D)
         if POSITIONAL or HAS_SEGMENTS:
             ks = 0
@@ -257,19 +351,23 @@ def _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG,
+def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
-                sqsb, sqss, sksb, skss,
+                sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
                 Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """grid (cdiv(Sq, BLOCK_M), Hq, B). Writes O [B, Sq, Hq, D]; LSE, M2, INV_L [B, Hq, Sq]."""
+                BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
+                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(Sq, BLOCK_M), Hq, B). Writes O [B, Sq, Hq, D]; LSE, M2, INV_L [B, Hq, Sq].
+    With ROPE: THETA [D/2] fp32, QPOS [B, Sq], KPOS [B, Sk] integer positions."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     hk = (h // GROUP).to(tl.int64)
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
+    CHECK_H: tl.constexpr = BLOCK_H != HALF
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -278,7 +376,21 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG,
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
 
-    q = _load_2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True, CHECK_D)
+    if ROPE:
+        offs_h = tl.arange(0, BLOCK_H)
+        h_ok = offs_h < HALF
+        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
+        q, q2 = _load_rotated(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, theta, offs_h,
+                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
+        kp_base = KPOS + b * skpb
+    else:
+        q = _load_2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True,
+                     CHECK_D)
+        q2 = q  # unused placeholders
+        offs_h = offs_d
+        h_ok = d_ok
+        theta = score_mul
+        kp_base = KPOS
     qs = 0
     if HAS_SEGMENTS:
         qs = tl.load(QSEG + b * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
@@ -291,15 +403,18 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
     b_lo, f_lo, f_hi, b_hi = _key_blocks(m0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
-                               offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, b_lo, f_lo,
-                               BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
-                               offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_lo, f_hi,
-                               BLOCK_N, CHECK_D, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
-                               offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi, b_hi,
-                               BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
+                               skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
+                               score_mul, cap_mul, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL,
+                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
+                               skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
+                               score_mul, cap_mul, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL,
+                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
+                               skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
+                               score_mul, cap_mul, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL,
+                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
 
     # A row that saw no key has l = 0 and acc = 0: out 0, lse -inf, m2 = +inf, inv_l = 0.
     empty = l_i == 0.0
@@ -319,18 +434,27 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG,
 # Backward: dK/dV (one program per key tile and kv head, looping over its GQA group's q heads)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
-                sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
-                score_mul, cap_mul, blk_lo, blk_hi,
-                BLOCK_M: tl.constexpr, CHECK_D: tl.constexpr, POSITIONAL: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+def _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base, qp_base,
+                sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk,
+                left, right, score_mul, cap_mul, blk_lo, blk_hi,
+                BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
+                POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
+                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
     # Tiles are transposed ([keys, queries]) so dK, dV accumulate as [BLOCK_N, D] without trans.
+    # With ROPE, (k, k2) and (dk, dk2) are the pair halves (rotated k; gradient w.r.t. it).
     for blk in range(blk_lo, blk_hi):
         rows = blk * BLOCK_M + offs_m
         m_ok = rows < Sq
-        qT = _load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
-        s2T, tT = _scores(tl.dot(k, qT, input_precision=PRECISION), score_mul, cap_mul, HAS_SOFTCAP)
+        if ROPE:
+            qT, qT2 = _load_rotated(q_base, rows, m_ok, sqs, sqd, qp_base, sqps, theta, offs_h, h_ok, HALF,
+                                    POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True)
+            qk = tl.dot(k, qT, input_precision=PRECISION)
+            qk = tl.dot(k2, qT2, qk, input_precision=PRECISION)
+        else:
+            qT = _load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
+            qk = tl.dot(k, qT, input_precision=PRECISION)
+        s2T, tT = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
         if POSITIONAL:
             m2 = tl.load(m2_base + rows, mask=m_ok, other=float("inf"))
             inv_l = tl.load(inv_l_base + rows, mask=m_ok, other=0.0)
@@ -343,6 +467,8 @@ def _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_ba
         pT = tl.exp2(s2T - m2[None, :]) * inv_l[None, :]
         do = _load_2d(do_base + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, POSITIONAL, CHECK_D)
         q = tl.trans(qT)
+        if ROPE:
+            q2 = tl.trans(qT2)
         if POSITIONAL or HAS_SEGMENTS:
             qs = 0
             if HAS_SEGMENTS:
@@ -353,6 +479,8 @@ def _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_ba
             # Queries that see no key of this tile must not reach dK through 0 * NaN.
             row_ok = tl.max(visT.to(tl.int32), axis=0) > 0
             q = tl.where(row_ok[:, None], q, 0.0)
+            if ROPE:
+                q2 = tl.where(row_ok[:, None], q2, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dsT = pT * (dpT - delta[None, :])
@@ -361,24 +489,30 @@ def _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_ba
         if POSITIONAL or HAS_SEGMENTS:
             dsT = tl.where(visT, dsT, 0.0)  # dpT is NaN where a masked value is NaN
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
-    return dk, dv
+        if ROPE:
+            dk2 = tl.dot(dsT.to(q.dtype), q2, dk2, input_precision=PRECISION)
+    return dk, dk2, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG,
+def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, QPOS, KPOS,
                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                      sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
-                     sqsb, sqss, sksb, skss,
+                     sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
                      Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
+                     ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
     """grid (cdiv(Sk, BLOCK_N), Hkv, B). dK, dV of one key tile summed over the GQA group
-    in registers, in a fixed order: deterministic, no atomics."""
+    in registers, in a fixed order: deterministic, no atomics. With ROPE the group's q heads are
+    rotated by the q positions of the batch row, and dK is rotated back (R^T) before the store."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
+    CHECK_H: tl.constexpr = BLOCK_H != HALF
 
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -387,14 +521,33 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG,
     n_ok = offs_n < Sk
     d_ok = offs_d < HEAD_DIM
 
-    k = _load_2d(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :] * skd, n_ok, d_ok, True, CHECK_D)
+    if ROPE:
+        offs_h = tl.arange(0, BLOCK_H)
+        h_ok = offs_h < HALF
+        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
+        k, k2 = _load_rotated(K + b * skb + hk * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps, theta, offs_h,
+                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
+        qp_base = QPOS + b * sqpb
+    else:
+        k = _load_2d(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :] * skd, n_ok, d_ok, True,
+                     CHECK_D)
+        k2 = k  # unused placeholders
+        offs_h = offs_d
+        h_ok = d_ok
+        theta = score_mul
+        qp_base = QPOS
     v = _load_2d(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True, CHECK_D)
     ks = 0
     if HAS_SEGMENTS:
         ks = tl.load(KSEG + b * sksb + offs_n * skss, mask=n_ok, other=0)[:, None]
     qs_base = QSEG + b * sqsb
 
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if ROPE:
+        dk = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+        dk2 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    else:
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dk2 = dk  # unused placeholder
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_lo, f_lo, f_hi, b_hi = _query_blocks(n0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
     for g in range(GROUP):
@@ -404,42 +557,62 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG,
         m2_base = M2 + (b * Hq + h) * Sq
         inv_l_base = INV_L + (b * Hq + h) * Sq
         delta_base = DELTA + (b * Hq + h) * Sq
-        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
-                             sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
-                             score_mul, cap_mul, b_lo, f_lo, BLOCK_M, CHECK_D, True,
-                             IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
-                             sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
-                             score_mul, cap_mul, f_lo, f_hi, BLOCK_M, CHECK_D, False,
-                             IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
-                             sqs, sqd, sdos, sdod, sqss, offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right,
-                             score_mul, cap_mul, f_hi, b_hi, BLOCK_M, CHECK_D, True,
-                             IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
+        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base,
+                                  qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d,
+                                  offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, b_lo, f_lo,
+                                  BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
+                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base,
+                                  qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d,
+                                  offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, f_lo, f_hi,
+                                  BLOCK_M, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
+                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base,
+                                  qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d,
+                                  offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi, b_hi,
+                                  BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
+                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
 
-    dk = dk * sm_scale  # ds/dk = scale * q (the softcap factor is already in ds)
-    mask = n_ok[:, None] & d_ok[None, :]
-    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
-             dk.to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :] * sdvd,
-             dv.to(DV.dtype.element_ty), mask=mask)
+    if ROPE:
+        # ds/dk' = scale * q' (the softcap factor is already in ds); dk = R^T dk'
+        _store_unrotated(DK + b * sdkb + hk * sdkh, offs_n, n_ok, sdks, sdkd, dk * sm_scale, dk2 * sm_scale,
+                         KPOS + b * skpb, skps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
+        tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :] * sdvd,
+                 dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+    else:
+        dk = dk * sm_scale  # ds/dk = scale * q (the softcap factor is already in ds)
+        mask = n_ok[:, None] & d_ok[None, :]
+        tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
+                 dk.to(DK.dtype.element_ty), mask=mask)
+        tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :] * sdvd,
+                 dv.to(DV.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
 # Backward: dQ (one program per query tile and q head)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _dq_inner(dq, q, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, sks_s,
-              offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, blk_lo, blk_hi,
-              BLOCK_N: tl.constexpr, CHECK_D: tl.constexpr, POSITIONAL: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd,
+              sks_s, skp_s, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul,
+              cap_mul, blk_lo, blk_hi,
+              BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
+              POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
+              ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+    """With ROPE, (q, q2) and (dq, dq2) are the pair halves (rotated q; gradient w.r.t. it)."""
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < Sk
-        kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
+        if ROPE:
+            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                    POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True)
+        else:
+            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
         vT = _load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, POSITIONAL)
-        s2, t = _scores(tl.dot(q, kT, input_precision=PRECISION), score_mul, cap_mul, HAS_SOFTCAP)
+        qk = tl.dot(q, kT, input_precision=PRECISION)
+        if ROPE:
+            qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
+        s2, t = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
         p = tl.exp2(s2 - m2[:, None]) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -454,25 +627,32 @@ def _dq_inner(dq, q, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, sks, skd
             ds = tl.where(vis, ds, 0.0)
             col_ok = tl.max(vis.to(tl.int32), axis=0) > 0
             kT = tl.where(col_ok[None, :], kT, 0.0)  # keep 0 * NaN out of dQ
+            if ROPE:
+                kT2 = tl.where(col_ok[None, :], kT2, 0.0)
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
-    return dq
+        if ROPE:
+            dq2 = tl.dot(ds.to(kT.dtype), tl.trans(kT2), dq2, input_precision=PRECISION)
+    return dq, dq2
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG,
+def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, KPOS,
                    sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                    sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
-                   sqsb, sqss, sksb, skss,
+                   sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
                    Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """grid (cdiv(Sq, BLOCK_M), Hq, B)."""
+                   BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
+                   ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(Sq, BLOCK_M), Hq, B). With ROPE, dQ is rotated back (R^T) before the store."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     hk = (h // GROUP).to(tl.int64)
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
+    CHECK_H: tl.constexpr = BLOCK_H != HALF
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -481,7 +661,21 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG,
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
 
-    q = _load_2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True, CHECK_D)
+    if ROPE:
+        offs_h = tl.arange(0, BLOCK_H)
+        h_ok = offs_h < HALF
+        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
+        q, q2 = _load_rotated(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, theta, offs_h,
+                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
+        kp_base = KPOS + b * skpb
+    else:
+        q = _load_2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True,
+                     CHECK_D)
+        q2 = q  # unused placeholders
+        offs_h = offs_d
+        h_ok = d_ok
+        theta = score_mul
+        kp_base = KPOS
     do = _load_2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
                   CHECK_D)
     row = (b * Hq + h) * Sq + offs_m
@@ -495,20 +689,32 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG,
     v_base = V + b * svb + hk * svh
     ks_base = KSEG + b * sksb
 
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if ROPE:
+        dq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    else:
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq2 = dq  # unused placeholder
     b_lo, f_lo, f_hi, b_hi = _key_blocks(m0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
-    dq = _dq_inner(dq, q, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
-                   offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, b_lo, f_lo,
-                   BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-    dq = _dq_inner(dq, q, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
-                   offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_lo, f_hi,
-                   BLOCK_N, CHECK_D, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-    dq = _dq_inner(dq, q, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, sks, skd, svs, svd, skss,
-                   offs_m, offs_n, offs_d, d_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi, b_hi,
-                   BLOCK_N, CHECK_D, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, PRECISION)
-    dq = dq * sm_scale
-    tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :] * sdqd,
-             dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
+                        svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
+                        score_mul, cap_mul, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
+                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+    dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
+                        svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
+                        score_mul, cap_mul, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL, HAS_WINDOW,
+                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+    dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
+                        svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
+                        score_mul, cap_mul, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
+                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+    if ROPE:
+        _store_unrotated(DQ + b * sdqb + h * sdqh, offs_m, m_ok, sdqs, sdqd, dq * sm_scale, dq2 * sm_scale,
+                         QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
+    else:
+        dq = dq * sm_scale
+        tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :] * sdqd,
+                 dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -535,6 +741,32 @@ def _segment_args(q_ids, kv_ids, q):
     return q_ids, kv_ids, (q_ids.stride(0), q_ids.stride(1), kv_ids.stride(0), kv_ids.stride(1))
 
 
+_THETA_CACHE: dict = {}
+
+
+def _theta_table(head_dim: int, base: float, device) -> torch.Tensor:
+    """The fp32 inverse frequencies [D/2], computed exactly as the eager reference does."""
+    key = (head_dim, float(base), str(device))
+    theta = _THETA_CACHE.get(key)
+    if theta is None:
+        from .rope import inverse_frequencies
+
+        theta = inverse_frequencies(head_dim, base, torch.float32, device).contiguous()
+        _THETA_CACHE[key] = theta
+    return theta
+
+
+def _rope_args(rope, q_pos, kv_pos, q):
+    """(THETA, QPOS, KPOS), their strides and the RoPE constexprs; q stands in (never read) without rope."""
+    if rope is None:
+        return (q, q, q), (0, 0, 0, 0), dict(BLOCK_H=16, ROPE=False, ROPE_INTERLEAVED=False)
+    D = q.shape[3]
+    theta = _theta_table(D, rope.base, q.device)
+    block_h = max(16, triton.next_power_of_2(D // 2))
+    return ((theta, q_pos, kv_pos), (q_pos.stride(0), q_pos.stride(1), kv_pos.stride(0), kv_pos.stride(1)),
+            dict(BLOCK_H=block_h, ROPE=True, ROPE_INTERLEAVED=rope.style == "interleaved"))
+
+
 def _flags(causal, window, q_ids, softcap):
     return dict(IS_CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_SEGMENTS=q_ids is not None,
                 HAS_SOFTCAP=softcap is not None)
@@ -545,11 +777,13 @@ def _device_ctx(t: torch.Tensor):
 
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
-            config: FlashConfig | None = None):
+            rope=None, q_pos=None, kv_pos=None, config: FlashConfig | None = None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse, stats).
 
     lse [B, Hq, Sq] fp32 natural log (-inf for rows with no visible key); stats = (m2, inv_l), each
-    [B, Hq, Sq] fp32, is what `backward` needs. Inputs are assumed validated (see torch_ref.flash).
+    [B, Hq, Sq] fp32, is what `backward` needs. rope: a `torch_ref.Rope` or None; with it, q_pos
+    [B, Sq] and kv_pos [B, Sk] are the integer positions (q and k are rotated inside the kernel).
+    Inputs are assumed validated (see torch_ref.flash).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -559,27 +793,29 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     if out.numel() == 0:
         return out, lse.fill_(float("-inf")), (m2.fill_(float("inf")), inv_l.zero_())
     qseg, kseg, seg_strides = _segment_args(q_ids, kv_ids, q)
+    rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     grid = (triton.cdiv(Sq, cfg.block_m), Hq, B)
     with _device_ctx(q):
         _fwd_kernel[grid](
-            q, k, v, out, lse, m2, inv_l, qseg, kseg,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides,
+            q, k, v, out, lse, m2, inv_l, qseg, kseg, *rope_ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
             Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, left, right,
             HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
             PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **_flags(causal, window, q_ids, softcap))
+            **_flags(causal, window, q_ids, softcap), **rope_flags)
     return out, lse, (m2, inv_l)
 
 
 def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None,
-             softcap=None, dlse=None, config: FlashConfig | None = None):
+             softcap=None, rope=None, q_pos=None, kv_pos=None, dlse=None, config: FlashConfig | None = None):
     """Gradients (dq, dk, dv) shaped like q, k, v, from dO [B, Sq, Hq, D], the forward's `out`
     and `stats`, and optionally the cotangent of the natural lse `dlse [B, Hq, Sq]`.
 
     With P = softmax, dS = P * (dP - delta) where delta_i = sum_d dO_i O_i; a cotangent on
-    lse_i adds P_ij * dlse_i to dS_ij, i.e. it is folded in as delta_i -= dlse_i.
+    lse_i adds P_ij * dlse_i to dS_ij, i.e. it is folded in as delta_i -= dlse_i. With rope, the
+    kernels accumulate dq', dk' w.r.t. the rotated q, k and store dq = R^T dq', dk = R^T dk'.
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -595,20 +831,21 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
         delta = delta - dlse.float()
     delta = delta.contiguous()
     qseg, kseg, seg_strides = _segment_args(q_ids, kv_ids, q)
+    rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     common = dict(HEAD_DIM=D, BLOCK_D=cfg.block_d, PRECISION=_precision(q.dtype), num_warps=cfg.bwd_num_warps,
-                  num_stages=cfg.bwd_num_stages, **_flags(causal, window, q_ids, softcap))
+                  num_stages=cfg.bwd_num_stages, **_flags(causal, window, q_ids, softcap), **rope_flags)
     scalars = (Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, scale, left, right)
     with _device_ctx(q):
         _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.dkdv_block_n), Hkv, B)](
-            q, k, v, do, *stats, delta, dk, dv, qseg, kseg,
+            q, k, v, do, *stats, delta, dk, dv, qseg, kseg, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
-            *scalars, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **common)
+            *rope_strides, *scalars, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **common)
         _bwd_dq_kernel[(triton.cdiv(Sq, cfg.dq_block_m), Hq, B)](
-            q, k, v, do, *stats, delta, dq, qseg, kseg,
+            q, k, v, do, *stats, delta, dq, qseg, kseg, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *seg_strides,
-            *scalars, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common)
+            *rope_strides, *scalars, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common)
     return dq, dk, dv
 
 

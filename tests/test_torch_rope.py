@@ -1,0 +1,413 @@
+"""Tests of fused RoPE in torch_ref: the Triton kernels rotate q and k after load (forward and
+backward) and must match the eager reference (rotate with torch_ref.rope.apply_rope, then attend).
+
+Every parity case produces three results: the eager reference in float64 (golden; the rotation
+then runs in float64 too), the eager reference in the compute dtype (naive; rotation in float32)
+and the Triton kernels (fast), and applies the FlashAttention rule of parity/tolerance.py to out,
+lse, dq, dk and dv. Without CUDA the kernels run through the Triton interpreter (fp32 / fp16 only:
+the interpreter computes bf16 dots wrongly); the `gpu` tests (bf16, realistic shapes) need a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare  # noqa: E402
+from torch_ref import Rope, apply_rope, flash_attention, flash_attention_reference  # noqa: E402
+from torch_ref.rope import inverse_frequencies  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def _np_dtype(dtype):
+    if dtype == BF16:
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return {F16: np.float16, F32: np.float32}[dtype]
+
+
+def _assert_rule(fast, naive, gold, dtype):
+    failures = []
+    for name in NAMES:
+        factor = FORWARD_FACTOR if name in ("out", "lse") else GRADIENT_FACTOR
+        f, n, g = (r[name].detach().cpu().double().numpy() for r in (fast, naive, gold))
+        verdict = compare(f, n, g, _np_dtype(dtype), factor)
+        if not verdict.ok:
+            failures.append(f"{name}: error {verdict.error:.3g} > allowed {verdict.allowed:.3g} {verdict.reason}")
+    assert not failures, "; ".join(failures)
+
+
+def _run(impl, dtype, q, k, v, do, dl, kw):
+    """Forward and backward (random cotangents) of one implementation in `dtype`."""
+    qq, kk, vv = (x.to(dtype).detach().requires_grad_() for x in (q, k, v))
+    out, lse = flash_attention(qq, kk, vv, return_lse=True, implementation=impl, **kw)
+    outputs, cotangents = [out], [do.to(dtype)]
+    if dl is not None:
+        outputs.append(lse)
+        cotangents.append(dl.to(lse.dtype))
+    dq, dk, dv = torch.autograd.grad(outputs, (qq, kk, vv), cotangents)
+    return dict(out=out.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RCase:
+    B: int
+    Sq: int
+    Sk: int
+    Hq: int
+    Hkv: int
+    D: int
+    dtype: torch.dtype
+    style: str = "interleaved"
+    base: float = 10000.0
+    # None: default positions (arange); "packed": one [B, S] tensor restarting at 0 in each segment
+    # (with those segment ids); "pair": (q_pos, kv_pos), q placed after a per-batch prefix of k;
+    # "large": a pair of unsorted positions up to 20000; "pair_empty": a pair of positions with
+    # segment ids where the last q rows have no key (out 0, lse -inf, zero gradients).
+    pos: str | None = None
+    causal: bool = False
+    window: tuple | None = None
+    softcap: float | None = None
+    lse_grad: bool = False
+
+    def __str__(self):
+        parts = [f"B{self.B}", f"{self.Sq}x{self.Sk}", f"H{self.Hq}/{self.Hkv}", f"D{self.D}",
+                 str(self.dtype).replace("torch.", ""), self.style]
+        for flag in ("base", "pos", "causal", "window", "softcap", "lse_grad"):
+            val = getattr(self, flag)
+            if val not in (None, False) and not (flag == "base" and val == 10000.0):
+                parts.append(flag if val is True else f"{flag}={val}")
+        return "-".join(parts)
+
+
+def _packed_positions(ids: torch.Tensor) -> torch.Tensor:
+    """Per-token positions restarting at 0 where the (sorted) segment id changes."""
+    idx = torch.arange(ids.shape[1]).expand_as(ids)
+    start = torch.ones_like(ids, dtype=torch.bool)
+    start[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
+def _positions_and_segments(case: RCase, gen: torch.Generator):
+    B, Sq, Sk = case.B, case.Sq, case.Sk
+    if case.pos is None:
+        return None, None
+    if case.pos == "packed":
+        assert Sq == Sk
+        ids = torch.sort(torch.randint(0, 3, (B, Sq), generator=gen), dim=1).values
+        return _packed_positions(ids), ids
+    if case.pos == "pair":
+        prefix = torch.randint(0, 50, (B, 1), generator=gen)
+        kv_pos = torch.arange(Sk)[None] + prefix
+        q_pos = torch.arange(Sq)[None] + prefix + max(Sk - Sq, 0)
+        return (q_pos.to(torch.int32), kv_pos), None
+    if case.pos == "large":
+        return (torch.randint(0, 20000, (B, Sq), generator=gen), torch.randint(0, 20000, (B, Sk), generator=gen)), None
+    if case.pos == "pair_empty":
+        q_ids = torch.sort(torch.randint(0, 2, (B, Sq), generator=gen), dim=1).values
+        kv_ids = torch.sort(torch.randint(0, 2, (B, Sk), generator=gen), dim=1).values
+        q_ids[:, -5:] = 2  # no key has id 2
+        return (_packed_positions(q_ids), _packed_positions(kv_ids)), (q_ids, kv_ids)
+    raise AssertionError(case.pos)
+
+
+def _inputs(case: RCase, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(case.B, case.Sq, case.Hq, case.D, generator=gen)
+    k = torch.randn(case.B, case.Sk, case.Hkv, case.D, generator=gen)
+    v = torch.randn(case.B, case.Sk, case.Hkv, case.D, generator=gen)
+    do = torch.randn(case.B, case.Sq, case.Hq, case.D, generator=gen)
+    dl = torch.randn(case.B, case.Hq, case.Sq, generator=gen) if case.lse_grad else None
+    positions, seg = _positions_and_segments(case, gen)
+    return q, k, v, do, dl, positions, seg
+
+
+def _to(x, device):
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(t.to(device) for t in x)
+    return x.to(device)
+
+
+def _kwargs(case: RCase, positions, seg):
+    return dict(causal=case.causal, window=case.window, softcap=case.softcap, segment_ids=seg,
+                rope=Rope(base=case.base, style=case.style), positions=positions)
+
+
+def _three(case: RCase, device=DEVICE, seed=0):
+    q, k, v, do, dl, positions, seg = (_to(x, device) for x in _inputs(case, seed))
+    kw = _kwargs(case, positions, seg)
+    gold = _run("eager", F64, q, k, v, do, dl, kw)
+    naive = _run("eager", case.dtype, q, k, v, do, dl, kw)
+    fast = _run("triton", case.dtype, q, k, v, do, dl, kw)
+    return fast, naive, gold
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity: both styles, each kind of positions, causal / window / segments / softcap, GQA / MQA,
+# head dims 16, 40 (D/2 = 20: padded half), 64, 72 (D/2 = 36: padded), fp32 and fp16
+# ----------------------------------------------------------------------------------------------
+CASES = [
+    RCase(1, 33, 33, 6, 2, 64, F32, "interleaved", causal=True),  # GQA, default positions
+    RCase(1, 31, 47, 4, 1, 40, F16, "half", window=(5, 9)),  # MQA, Sq < Sk, default positions
+    RCase(2, 40, 40, 2, 2, 16, F16, "interleaved", pos="packed", causal=True),
+    RCase(2, 40, 40, 4, 2, 72, F32, "half", pos="packed", causal=True, window=(7, 3)),
+    RCase(1, 23, 57, 6, 2, 40, F32, "interleaved", pos="pair"),  # GQA, Sq < Sk
+    RCase(1, 57, 23, 2, 1, 64, F16, "half", base=500000.0, pos="pair", lse_grad=True),  # MQA, Sq > Sk
+    RCase(1, 45, 45, 4, 2, 72, F16, "interleaved", pos="packed", softcap=4.0),
+    RCase(1, 37, 37, 2, 2, 16, F32, "half", pos="large"),
+    RCase(1, 37, 41, 4, 1, 64, F16, "interleaved", base=100.0, pos="large", causal=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_rope_parity(case):
+    _assert_rule(*_three(case), case.dtype)
+
+
+def test_rope_fully_masked_rows():
+    """Queries whose segment has no key: with rope too, out 0, lse -inf, zero dq, no NaN (and
+    the rule holds for the case: a pair of positions restarting in each segment, lse cotangent)."""
+    case = RCase(1, 40, 35, 4, 2, 40, F16, "half", pos="pair_empty", causal=True, lse_grad=True)
+    fast, naive, gold = _three(case)
+    _assert_rule(fast, naive, gold, case.dtype)
+    _, _, _, _, _, _, (q_ids, kv_ids) = _inputs(case)
+    empty = (q_ids[:, :, None] != kv_ids[:, None, :]).all(-1).to(DEVICE)  # [B, Sq]
+    assert empty.any() and not empty.all()
+    for res in (fast, naive):
+        for name in NAMES:
+            assert not torch.isnan(res[name]).any(), name
+        assert (res["out"][empty] == 0).all()
+        assert (res["dq"][empty] == 0).all()
+        assert torch.isneginf(res["lse"].transpose(1, 2)[empty]).all()
+
+
+def test_rope_relative_positions():
+    """Scores depend on p_i - p_j only: shifting every position by a constant leaves the result
+    unchanged (float64 reference: to rounding; Triton with shifted positions: held to the rule
+    against the golden of the unshifted positions)."""
+    case = RCase(2, 40, 40, 2, 1, 40, F32, "half", pos="packed", causal=True)
+    q, k, v, do, dl, positions, seg = (_to(x, DEVICE) for x in _inputs(case, seed=4))
+    shift = 1000
+    kw = _kwargs(case, positions, seg)
+    kw_shift = dict(kw, positions=positions + shift)
+    gold = _run("eager", F64, q, k, v, do, dl, kw)
+    gold_shift = _run("eager", F64, q, k, v, do, dl, kw_shift)
+    for name in NAMES:
+        torch.testing.assert_close(gold_shift[name], gold[name], rtol=1e-9, atol=1e-9)
+    naive_shift = _run("eager", F32, q, k, v, do, dl, kw_shift)
+    fast_shift = _run("triton", F32, q, k, v, do, dl, kw_shift)
+    _assert_rule(fast_shift, naive_shift, gold, F32)
+    # and the rotation is not a no-op: a per-token (non-constant) change of positions changes out
+    kw_other = dict(kw, positions=positions * 2)
+    assert (_run("triton", F32, q, k, v, do, dl, kw_other)["out"] - fast_shift["out"]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("style,dtype", [("interleaved", F16), ("half", F32)], ids=["interleaved-f16", "half-f32"])
+def test_fused_equals_rotate_then_attend(style, dtype):
+    """Fused RoPE == rotate q, k with the eager helper (in the compute dtype), then the Triton
+    kernels without rope (gradients through the helper by autograd), within the rule."""
+    case = RCase(1, 33, 47, 6, 2, 72, dtype, style, pos="pair", causal=True)
+    q, k, v, do, dl, (q_pos, kv_pos), _ = (_to(x, DEVICE) for x in _inputs(case, seed=2))
+    rope = Rope(style=style)
+    gold = _run("eager", F64, q, k, v, do, dl, dict(causal=True, rope=rope, positions=(q_pos, kv_pos)))
+    fused = _run("triton", dtype, q, k, v, do, dl, dict(causal=True, rope=rope, positions=(q_pos, kv_pos)))
+    qq, kk, vv = (x.to(dtype).detach().requires_grad_() for x in (q, k, v))
+    out, lse = flash_attention(apply_rope(qq, q_pos, rope), apply_rope(kk, kv_pos, rope), vv, causal=True,
+                               return_lse=True, implementation="triton")
+    dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), do.to(dtype))
+    unfused = dict(out=out.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
+    _assert_rule(fused, unfused, gold, dtype)
+    _assert_rule(unfused, fused, gold, dtype)
+
+
+def test_rope_default_positions_and_determinism():
+    """positions=None is arange for q and k (bitwise the same as passing them); runs are bitwise
+    repeatable (GQA: the dK/dV kernel sums the group's q heads in a fixed order)."""
+    B, S, Hq, Hkv, D = 1, 37, 4, 2, 40
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, do = (torch.randn(B, S, h, D, generator=gen).to(DEVICE) for h in (Hq, Hkv, Hkv, Hq))
+    rope = Rope(style="interleaved")
+    pos = torch.arange(S, device=DEVICE).expand(B, S)
+    a = _run("triton", F32, q, k, v, do, None, dict(causal=True, rope=rope))
+    b = _run("triton", F32, q, k, v, do, None, dict(causal=True, rope=rope, positions=pos))
+    c = _run("triton", F32, q, k, v, do, None, dict(causal=True, rope=rope, positions=(pos, pos.to(torch.int16))))
+    for name in NAMES:
+        assert torch.equal(a[name], b[name]), name
+        assert torch.equal(a[name], c[name]), name
+
+
+def test_packed_sequences_equal_separate_runs():
+    """Two sequences packed into one row (segment ids, positions restarting at 0) give the same
+    out, lse and gradients as each sequence run alone with default positions."""
+    lens = (13, 20)
+    S, Hq, Hkv, D = sum(lens), 4, 2, 16
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, do = (torch.randn(1, S, h, D, generator=gen).to(DEVICE) for h in (Hq, Hkv, Hkv, Hq))
+    ids = torch.tensor([[0] * lens[0] + [1] * lens[1]], device=DEVICE)
+    pos = _packed_positions(ids.cpu()).to(DEVICE)
+    assert pos[0, :lens[0]].tolist() == list(range(lens[0])) and pos[0, lens[0]:].tolist() == list(range(lens[1]))
+    rope = Rope(style="half")
+    packed = _run("triton", F32, q, k, v, do, None, dict(causal=True, rope=rope, positions=pos, segment_ids=ids))
+    start = 0
+    for n in lens:
+        sl = slice(start, start + n)
+        alone = _run("triton", F32, q[:, sl], k[:, sl], v[:, sl], do[:, sl], None, dict(causal=True, rope=rope))
+        for name in ("out", "dq", "dk", "dv"):
+            torch.testing.assert_close(packed[name][:, sl], alone[name], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed["lse"][:, :, sl], alone["lse"], rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_apply_rope_definition():
+    """The eager rotation against the formula written out (both styles; float64)."""
+    gen = torch.Generator().manual_seed(1)
+    B, S, H, D = 2, 5, 3, 8
+    x = torch.randn(B, S, H, D, generator=gen, dtype=F64)
+    pos = torch.randint(-3, 50, (B, S), generator=gen)
+    theta = 10000.0 ** (-torch.arange(0, D // 2, dtype=F64) * 2 / D)
+    assert torch.allclose(inverse_frequencies(D, 10000.0, F64), theta, rtol=1e-15, atol=0)
+    ang = pos.to(F64)[:, :, None, None] * theta
+    for style, (ia, ib) in (("interleaved", (slice(0, D, 2), slice(1, D, 2))),
+                            ("half", (slice(0, D // 2), slice(D // 2, D)))):
+        y = apply_rope(x, pos, Rope(style=style))
+        torch.testing.assert_close(y[..., ia], x[..., ia] * ang.cos() - x[..., ib] * ang.sin(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(y[..., ib], x[..., ia] * ang.sin() + x[..., ib] * ang.cos(), rtol=1e-12, atol=1e-12)
+        # position 0 is the identity; the rotation preserves each pair's norm
+        assert torch.equal(apply_rope(x, torch.zeros_like(pos), Rope(style=style)), x)
+        torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+def _t(*shape, dtype=F32):
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+
+def _i(*shape, dtype=torch.int32):
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+
+Q, KV, KV9 = (1, 8, 4, 16), (1, 8, 2, 16), (1, 9, 2, 16)
+INVALID = [
+    # (name, shapes (q, kv), kwargs, exception, message)
+    ("rope str", (Q, KV), dict(rope="half"), TypeError, r"rope must be a torch_ref.Rope or None, got str"),
+    ("rope odd D", ((1, 8, 4, 15), (1, 8, 2, 15)), dict(rope=Rope()), ValueError,
+     r"head dim must be even for RoPE, got D=15"),
+    ("positions no rope", (Q, KV), dict(positions=_i(1, 8)), ValueError, r"positions given without rope"),
+    ("positions float", (Q, KV), dict(rope=Rope(), positions=_t(1, 8)), TypeError,
+     r"positions must have an integer dtype, got torch.float32"),
+    ("positions bool", (Q, KV), dict(rope=Rope(), positions=_i(1, 8, dtype=torch.bool)), TypeError,
+     r"positions must have an integer dtype, got torch.bool"),
+    ("positions numpy", (Q, KV), dict(rope=Rope(), positions=np.zeros((1, 8), np.int32)), TypeError,
+     r"positions must be an integer torch.Tensor of shape \[1, 8\], got ndarray"),
+    ("positions shape", (Q, KV), dict(rope=Rope(), positions=_i(1, 7)), ValueError,
+     r"positions must have shape \[B, S\] = \[1, 8\], got \[1, 7\]"),
+    ("positions 1-D", (Q, KV), dict(rope=Rope(), positions=_i(8)), ValueError,
+     r"positions must have shape \[B, S\] = \[1, 8\], got \[8\]"),
+    ("positions single cross", (Q, KV9), dict(rope=Rope(), positions=_i(1, 8)), ValueError,
+     r"a single positions tensor needs Sq == Sk.*Sq=8, Sk=9.*pair \(q_pos, kv_pos\)"),
+    ("positions pair kv shape", (Q, KV9), dict(rope=Rope(), positions=(_i(1, 8), _i(1, 8))), ValueError,
+     r"positions\[1\] \(kv_pos\) must have shape \[B, S\] = \[1, 9\], got \[1, 8\]"),
+    ("positions pair q dtype", (Q, KV9), dict(rope=Rope(), positions=(_t(1, 8), _i(1, 9))), TypeError,
+     r"positions\[0\] \(q_pos\) must have an integer dtype, got torch.float32"),
+    ("positions triple", (Q, KV), dict(rope=Rope(), positions=(_i(1, 8),) * 3), ValueError,
+     r"positions must be one \[B, S\] tensor or a pair \(q_pos, kv_pos\), got a sequence of length 3"),
+]
+
+
+@pytest.mark.parametrize("name,shapes,kwargs,exc,match", INVALID, ids=[c[0] for c in INVALID])
+@pytest.mark.parametrize("impl", ["triton", "eager"])
+def test_rope_invalid_arguments(name, shapes, kwargs, exc, match, impl):
+    q, kv = _t(*shapes[0]), _t(*shapes[1])
+    with pytest.raises(exc, match=match):
+        flash_attention(q, kv, kv, implementation=impl, **kwargs)
+    if impl == "eager":
+        with pytest.raises(exc, match=match):
+            flash_attention_reference(q, kv, kv, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(style="rotate"), r"unknown rope style='rotate'; choose one of \('interleaved', 'half'\)"),
+    (dict(style="HALF"), r"unknown rope style='HALF'"),
+    (dict(base=1.0), r"rope base must be a number > 1, got base=1.0"),
+    (dict(base=-5), r"rope base must be a number > 1, got base=-5"),
+    (dict(base="10000"), r"rope base must be a number > 1, got base='10000'"),
+])
+def test_rope_config_invalid(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Rope(**kwargs)
+
+
+def test_rope_config_defaults_and_frozen():
+    r = Rope()
+    assert (r.base, r.style) == (10000.0, "interleaved")
+    assert Rope(base=1.5, style="half").base == 1.5 and Rope(base=10).base == 10  # boundary: any base > 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.base = 2.0
+    assert Rope(500000.0, "half") == Rope(base=500000.0, style="half")
+
+
+@pytest.mark.parametrize("impl", ["triton", "eager"])
+def test_rope_boundary_arguments_pass(impl):
+    """The edges that are accepted: D = 2 (the smallest even head dim), D = 256 (the widest),
+    negative positions, int16 / int64 positions of different dtypes in a pair, base just above 1;
+    each against the float64 golden."""
+    gen = torch.Generator().manual_seed(6)
+    for D, Sq, Sk in ((2, 9, 13), (256, 5, 7)):
+        q = torch.randn(1, Sq, 2, D, generator=gen).to(DEVICE)
+        kv = torch.randn(1, Sk, 1, D, generator=gen).to(DEVICE)
+        q_pos = torch.randint(-40, 40, (1, Sq), generator=gen, dtype=torch.int16).to(DEVICE)
+        kv_pos = torch.randint(-40, 40, (1, Sk), generator=gen).to(DEVICE)
+        for rope in (Rope(base=1.001, style="half"), Rope(style="interleaved")):
+            kw = dict(rope=rope, positions=(q_pos, kv_pos), causal=True)
+            out, lse = flash_attention(q, kv, kv, return_lse=True, implementation=impl, **kw)
+            gold, gold_lse = flash_attention_reference(q.double(), kv.double(), kv.double(), **kw)
+            assert out.shape == q.shape and torch.isfinite(out).all()
+            torch.testing.assert_close(out.double(), gold, rtol=1e-4, atol=2e-5)
+            torch.testing.assert_close(lse.double(), gold_lse, rtol=1e-4, atol=2e-5)
+    # a single positions tensor with Sq == Sk, and no rope with positions=None, still work
+    x = torch.randn(1, 6, 2, 4, generator=gen).to(DEVICE)
+    flash_attention(x, x, x, rope=Rope(), positions=torch.arange(6, device=DEVICE)[None], implementation=impl)
+    assert torch.equal(flash_attention(x, x, x, rope=None, positions=None, implementation=impl),
+                       flash_attention(x, x, x, implementation=impl))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: compiled kernels at realistic shapes, bf16 (run with -m gpu; they fail without a GPU)
+# ----------------------------------------------------------------------------------------------
+def _require_gpu():
+    assert torch.cuda.is_available(), "the gpu tests need a CUDA GPU"
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "gpu tests must run compiled kernels"
+
+
+GPU_CASES = [
+    RCase(2, 1024, 1024, 8, 2, 128, BF16, "interleaved", causal=True),
+    RCase(2, 2048, 2048, 8, 8, 64, BF16, "half", base=500000.0, pos="packed", causal=True),
+    RCase(1, 777, 1500, 8, 1, 128, BF16, "half", pos="large", window=(300, 200), lse_grad=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_rope(case):
+    _require_gpu()
+    _assert_rule(*_three(case, "cuda"), case.dtype)
