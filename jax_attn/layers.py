@@ -176,10 +176,19 @@ class EncoderBlock(nnx.Module):
 # ------------------------------------------------------------------------------------------------
 # attention_fn adapter for flax.nnx.MultiHeadAttention
 # ------------------------------------------------------------------------------------------------
-def _is_highest(precision) -> bool:
+def _precision(precision):
+    """None / DEFAULT -> None (JAX's configured matmul precision), HIGHEST -> HIGHEST; anything
+    else (HIGH, a mixed pair) is returned as given, for the caller to refuse."""
     if isinstance(precision, (tuple, list)):
-        return len(precision) > 0 and all(_is_highest(p) for p in precision)
-    return precision == jax.lax.Precision.HIGHEST or str(precision).lower() in ("highest", "float32", "fp32")
+        levels = {_precision(p) for p in precision}
+        return levels.pop() if len(levels) == 1 else tuple(precision)
+    if precision is None:
+        return None
+    try:
+        level = jax.lax.Precision(precision.lower() if isinstance(precision, str) else precision)
+    except (ValueError, TypeError):
+        return precision
+    return None if level == jax.lax.Precision.DEFAULT else level
 
 
 def make_attention_fn(*, causal: bool = False, window: tuple[int, int] | None = None,
@@ -224,7 +233,8 @@ def make_attention_fn(*, causal: bool = False, window: tuple[int, int] | None = 
             raise NotImplementedError(
                 "jax_attn attention_fn: module (sow_weights=True) is not supported: the flash kernels never "
                 "materialise the attention weights")
-        if precision is not None and precision != jax.lax.Precision.DEFAULT and not _is_highest(precision):
+        precision = _precision(precision)
+        if precision not in (None, jax.lax.Precision.HIGHEST):
             raise NotImplementedError(
                 f"jax_attn attention_fn: precision={precision!r} is not supported; use None/DEFAULT (JAX's "
                 "configured matmul precision) or HIGHEST")
@@ -242,7 +252,7 @@ def make_attention_fn(*, causal: bool = False, window: tuple[int, int] | None = 
         flat = lambda a: a.reshape((-1,) + a.shape[-3:])
         run = lambda: flash_attention(flat(query), flat(key), flat(value), causal=bool(causal or is_causal),
                                       window=window, softcap=softcap, implementation=implementation)
-        if precision is not None and _is_highest(precision):
+        if precision == jax.lax.Precision.HIGHEST:
             with jax.default_matmul_precision("highest"):
                 out = run()
         else:

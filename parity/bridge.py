@@ -21,7 +21,6 @@ tensor in place (and do not modify a torch tensor in place after handing it to J
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import torch
@@ -102,15 +101,19 @@ def flax_to_torch(flax_module, torch_module) -> None:
 
 
 def torch_to_flax(torch_module, flax_module) -> None:
-    """Copy every torch parameter into the Flax module (in place, cast to the Flax dtype; the new
-    values never share memory with the torch parameters)."""
+    """Copy every torch parameter into the Flax module (in place, cast to the Flax dtype). The
+    layout change and the copy happen on the torch side, so the new values never share memory
+    with the torch parameters (and no JAX computation has to be compiled per shape)."""
     flax_params = _flax_params(flax_module)
     torch_params = dict(torch_module.named_parameters())
     for path, name, transposed in param_pairs(flax_module, torch_module):
         param = flax_params[path][1]
         old = param.get_value()
-        new = _relayout(to_jax(torch_params[name].detach()), transposed).astype(old.dtype)
-        param.set_value(jax.device_put(jnp.array(new, copy=True), old.sharding))
+        src = _relayout(torch_params[name].detach(), transposed).clone(memory_format=torch.contiguous_format)
+        new = to_jax(src, device=_jax_device(old))
+        if new.dtype != old.dtype:
+            new = new.astype(old.dtype)
+        param.set_value(new)
 
 
 def flax_tree_in_torch_layout(flax_module, tree) -> dict[str, np.ndarray]:
@@ -199,8 +202,8 @@ def to_torch(x, device=None, *, return_method: bool = False):
 
 
 def to_jax(t: torch.Tensor, device=None, *, return_method: bool = False):
-    """A torch tensor (detached) as a JAX array on `device` (a jax.Device; default: the JAX twin of
-    t's device, else JAX's default device).
+    """A torch tensor (detached) as a JAX array on `device` (a jax.Device; default, or None: the
+    JAX twin of t's device, else JAX's default device).
 
     DLPack, zero-copy, when t is contiguous and on that device; else a host copy (a
     non-contiguous tensor is copied too). With return_method, returns (array, "dlpack" | "copy").

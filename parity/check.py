@@ -5,6 +5,8 @@ golden is the plain reference in float64 (torch eager; the JAX plain reference i
 with it to 1e-10, a check of its own); each implementation (JAX pallas_triton, JAX xla, torch triton,
 torch eager) is compared on out, lse, dq, dk, dv with the tolerance rule of `parity.tolerance`, the
 naive error being that of its own framework's plain reference in the compute dtype.
+Then the layer cases of `parity.layers` (variant "layers": Flax layers against their torch twins,
+every parameter gradient, a 20-step training run), through `check_layer_case`.
 
 Flags: --variant NAME, --quick, --json PATH, --cases NAME[,NAME]. Exit status 1 on any failure.
 """
@@ -43,6 +45,7 @@ import ml_dtypes  # noqa: E402
 import jax_attn  # noqa: E402
 import torch_ref  # noqa: E402
 from parity.cases import CASES, Case  # noqa: E402
+from parity.layers import LAYER_CASES, LayerCase, check_layer_case  # noqa: E402
 from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare  # noqa: E402
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
@@ -180,12 +183,13 @@ def main(argv=None) -> int:
 
     on_gpu = torch.cuda.is_available() and jax.default_backend() == "gpu"
     device = "cuda" if on_gpu else "cpu"
-    cases = [c for c in CASES if on_gpu or not c.gpu]
+    all_cases = CASES + LAYER_CASES
+    cases = [c for c in all_cases if on_gpu or not c.gpu]
     if args.variant:
         cases = [c for c in cases if c.variant == args.variant]
     if args.cases:
         wanted = set(args.cases.split(","))
-        unknown = wanted - {c.name for c in CASES}
+        unknown = wanted - {c.name for c in all_cases}
         if unknown:
             parser.error(f"unknown --cases {sorted(unknown)}")
         cases = [c for c in cases if c.name in wanted]
@@ -201,12 +205,12 @@ def main(argv=None) -> int:
     rows = []
     for case in cases:
         t = time.time()
-        case_rows = check_case(case, device)
+        case_rows = (check_layer_case if isinstance(case, LayerCase) else check_case)(case, device)
         rows += case_rows
         failed = sorted({r["impl"] for r in case_rows if not r["ok"]})
         verdict = "ok" if not failed else "FAIL: " + ", ".join(failed)
         print(f"  {case.name}: {verdict} ({time.time() - t:.1f}s)", file=sys.stderr, flush=True)
-    ok = _report(rows, {c.name: c.variant for c in CASES}, time.time() - start, env)
+    ok = _report(rows, {c.name: c.variant for c in all_cases}, time.time() - start, env)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env, rows=rows, passed=ok), f, indent=1, default=float)

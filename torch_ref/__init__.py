@@ -9,10 +9,13 @@ Triton is imported lazily: `import torch_ref` does not import it, so TRITON_INTE
 be set afterwards; the first Triton call (or touching `torch_ref.FlashConfig`) imports it.
 """
 from .flash import UnknownImplementationError, flash_attention, flash_attention_reference, resolve_implementation
+from .layers import EncoderBlock, MultiHeadSelfAttention
+from .positions import sinusoidal_positions
 from .rope import Rope, apply_rope
 
 __all__ = ["flash_attention", "flash_attention_reference", "Rope", "apply_rope", "FlashConfig", "default_config",
-           "resolve_implementation", "UnknownImplementationError"]
+           "resolve_implementation", "UnknownImplementationError", "EncoderBlock", "MultiHeadSelfAttention",
+           "sinusoidal_positions"]
 
 
 def __getattr__(name):
