@@ -19,24 +19,12 @@ if not torch.cuda.is_available():
 
 import dataclasses  # noqa: E402
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import torch_ref  # noqa: E402
-from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare  # noqa: E402
 from torch_ref import flash_attention, flash_attention_reference  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
-NAMES = ("out", "lse", "dq", "dk", "dv")
-
-
-def _np_dtype(dtype):
-    if dtype == BF16:
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return {F16: np.float16, F32: np.float32}[dtype]
+from torch_golden import BF16, DEVICE, F16, F32, F64, NAMES, _assert_rule  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,17 +117,6 @@ def _three(case: Case, device=DEVICE, seed=0):
     naive = _run("eager", case.dtype, q, k, v, do, dl, kw)
     fast = _run("triton", case.dtype, q, k, v, do, dl, kw)
     return fast, naive, gold
-
-
-def _assert_rule(fast, naive, gold, dtype):
-    failures = []
-    for name in NAMES:
-        factor = FORWARD_FACTOR if name in ("out", "lse") else GRADIENT_FACTOR
-        f, n, g = (r[name].detach().cpu().double().numpy() for r in (fast, naive, gold))
-        verdict = compare(f, n, g, _np_dtype(dtype), factor)
-        if not verdict.ok:
-            failures.append(f"{name}: error {verdict.error:.3g} > allowed {verdict.allowed:.3g} {verdict.reason}")
-    assert not failures, "; ".join(failures)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,32 +21,10 @@ import dataclasses  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare  # noqa: E402
 from torch_ref import Rope, apply_rope, flash_attention, flash_attention_reference  # noqa: E402
 from torch_ref.rope import inverse_frequencies  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
-NAMES = ("out", "lse", "dq", "dk", "dv")
-
-
-def _np_dtype(dtype):
-    if dtype == BF16:
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return {F16: np.float16, F32: np.float32}[dtype]
-
-
-def _assert_rule(fast, naive, gold, dtype):
-    failures = []
-    for name in NAMES:
-        factor = FORWARD_FACTOR if name in ("out", "lse") else GRADIENT_FACTOR
-        f, n, g = (r[name].detach().cpu().double().numpy() for r in (fast, naive, gold))
-        verdict = compare(f, n, g, _np_dtype(dtype), factor)
-        if not verdict.ok:
-            failures.append(f"{name}: error {verdict.error:.3g} > allowed {verdict.allowed:.3g} {verdict.reason}")
-    assert not failures, "; ".join(failures)
+from torch_golden import BF16, DEVICE, F16, F32, F64, NAMES, _assert_rule  # noqa: E402,F401
 
 
 def _run(impl, dtype, q, k, v, do, dl, kw):
