@@ -9,6 +9,8 @@ from jax_attn.pallas_triton import BlockSizes, default_block_sizes
 from jax_attn.positions import sinusoidal_positions
 from jax_attn.rope import Rope, apply_rope
 from jax_attn.spec import AttentionSpec
+from jax_attn.stick_breaking import stick_breaking_attention, stick_breaking_reference
+from jax_attn.stick_breaking_pallas import StickBreakingBlocks
 from jax_attn.xla import attention_reference
 
 __all__ = [
@@ -16,4 +18,5 @@ __all__ = [
     "default_block_sizes", "default_implementation", "device_info", "flash_attention",
     "recommended_dtype", "Rope", "apply_rope",
     "EncoderBlock", "MultiHeadSelfAttention", "attention_fn", "make_attention_fn", "sinusoidal_positions",
+    "StickBreakingBlocks", "stick_breaking_attention", "stick_breaking_reference",
 ]

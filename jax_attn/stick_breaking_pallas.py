@@ -1,0 +1,406 @@
+"""Stick-breaking attention (ExpoSB) as Pallas kernels (Triton lowering): forward, dQ, dK/dV.
+
+Definition (DESIGN.md "ExpoSB"; Tan et al., arXiv 2410.17980), strictly causal, for j < i:
+  z_ij = scale * q~_i . k~_j - decay_h * (i - j)          (q~, k~: RoPE-rotated when asked)
+  log A_ij = log sigmoid(z_ij) - sum_{j<m<i} softplus(z_im),   o_i = sum_j A_ij v_j,
+  rem_i = exp(-sum_{j<i} softplus(z_ij)) = 1 - sum_j A_ij.
+
+Forward, one program per (query block, batch, head): key blocks are walked from the diagonal
+leftwards; `c` carries the softplus sum of the keys already passed (to the right), and inside a
+tile the strict suffix sum is rowsum - cumsum. No max shift is needed: log A <= 0.
+
+Backward. With g_ij = A_ij (dO_i . v_j) and sigma = sigmoid(z):
+  dz_ij = g_ij - sigma_ij (drem_i rem_i + sum_{m<=j} g_im),
+  dq = scale dz k~, dk = scale dz^T q~, dv = A^T dO, d decay_h = -sum dz_ij (i - j).
+Two running row sums are needed: the softplus sum from the right (for A) and the g sum from the
+left (for dz). Each is summed in its own direction, never as a total minus a partial sum, whose
+cancellation costs fp32 gradients (the decay gradient weighs far keys by i - j) digits. So the
+forward (walking leftwards) stores its softplus sums at every key-block boundary, the dQ kernel
+walks rightwards, reads them and stores its g sums, and the dK/dV kernel (one program per key
+block and kv head, looping over query blocks and the GQA group in one flat loop) reads both
+([B, H, key blocks, S] fp32 each). No atomics: deterministic.
+The tile math is shared with the softmax engine (`pallas_triton`): RoPE feature parts, dots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_attn.pallas_triton import (
+    MIN_BLOCK, _dot, _info_fields, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least,
+    _rope_cos_sin, _rotate, _side_info, _side_specs_and_args, _store_parts, _unpack)
+from jax_attn.rope import inverse_frequencies
+from jax_attn.spec import AttentionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class StickBreakingBlocks:
+    """Tiles: block_q rows (forward, dQ), block_k keys everywhere (the boundary arrays are per
+    key block, so dQ and dK/dV share it), block_q_dkv rows per dK/dV step."""
+
+    block_q: int = 64
+    block_k: int = 64
+    block_q_dkv: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "block_q_dkv"):
+            value = getattr(self, name)
+            if value < MIN_BLOCK or value & (value - 1):
+                raise ValueError(f"StickBreakingBlocks.{name}={value} must be a power of two >= {MIN_BLOCK}")
+
+    def fitted(self, seq_len: int) -> "StickBreakingBlocks":
+        cap = _pow2_at_least(seq_len)
+        return dataclasses.replace(self, block_q=min(self.block_q, cap), block_k=min(self.block_k, cap),
+                                   block_q_dkv=min(self.block_q_dkv, cap))
+
+
+def default_stick_breaking_blocks(head_dim: int, interpret: bool, dtype) -> StickBreakingBlocks:
+    if interpret:
+        return StickBreakingBlocks(16, 16, 16, 4, 1)
+    if jnp.dtype(dtype) == jnp.float32 or head_dim > 128:
+        return StickBreakingBlocks(32, 32, 32, 4, 2)
+    return StickBreakingBlocks(64, 64, 64, 4, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    spec: AttentionSpec  # scale, rope, precision (causal is implied)
+    blocks: StickBreakingBlocks
+    interpret: bool
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile math
+# ----------------------------------------------------------------------------------------------
+
+
+def _logits(q_parts, k_parts, spec, lam, rows, cols, *, k_major=False):
+    """z = scale * q.k - decay * (i - j), fp32; [block_q, block_k] or, k_major, [block_k, block_q]."""
+    pairs = zip(k_parts, q_parts) if k_major else zip(q_parts, k_parts)
+    raw = sum(_dot(a, b, spec, trans_b=True) for a, b in pairs)
+    return raw * spec.scale - lam * (rows - cols).astype(jnp.float32)
+
+
+def _stick(z, valid, c, axis):
+    """softplus, sigma and A of one tile; `axis` is the key axis, c the softplus sum to the right.
+
+    Returns (sp, sigma, a) with sp and a zero where not valid (valid None: all valid)."""
+    t = jnp.log1p(jnp.exp(-jnp.abs(z)))
+    sp = jnp.maximum(z, 0.0) + t
+    log_beta = jnp.minimum(z, 0.0) - t  # log sigmoid(z)
+    if valid is not None:
+        sp = jnp.where(valid, sp, 0.0)
+    suffix = _strict_suffix(sp, axis)
+    a = jnp.exp(log_beta - c - suffix)
+    if valid is not None:
+        a = jnp.where(valid, a, 0.0)
+    return sp, jnp.exp(log_beta), a
+
+
+def _strict_suffix(x, axis):
+    """Sum over the keys of the tile right of each key (x is zero where masked; a tile's sum is
+    small, so this difference is harmless)."""
+    return jnp.sum(x, axis=axis, keepdims=True) - jnp.cumsum(x, axis=axis)
+
+
+def _dz(a, da, sigma, valid, g_left, axis):
+    """(dz, g) of one tile: g = A dA, dz = g - sigma (g_left + g summed up to the key, inclusive),
+    where g_left holds drem rem + the g of the keys left of the tile."""
+    g = a * da
+    dz = g - sigma * (g_left + jnp.cumsum(g, axis=axis))
+    if valid is not None:
+        dz = jnp.where(valid, dz, 0.0)
+    return dz, g
+
+
+def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool):
+    """Walk the key blocks a query block sees (keys j < its last row) in order, leftwards from the
+    diagonal or rightwards to it; the diagonal tiles evaluate the mask j < i, the others do not.
+    `body(block, carry, masked)`."""
+    first_row = pl.program_id(0) * row_block
+    hi = (first_row + row_block - 1 + block_k - 1) // block_k  # blocks holding some j < last row
+    full = first_row // block_k  # blocks with every j < first row
+    masked = functools.partial(body, masked=True)
+    unmasked = functools.partial(body, masked=False)
+    if leftwards:
+        carry = jax.lax.fori_loop(0, hi - full, lambda t, c: masked(hi - 1 - t, c), carry)
+        return jax.lax.fori_loop(0, full, lambda t, c: unmasked(full - 1 - t, c), carry)
+    carry = jax.lax.fori_loop(0, full, unmasked, carry)
+    return jax.lax.fori_loop(full, hi, masked, carry)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: bool):
+    spec = st.spec
+    q_info, kv_info, inv_freq, (o_ref, rem_ref, *c_ref) = _unpack(refs, spec)
+    block_q, head_dim = q_ref.shape
+    block_k = st.blocks.block_k
+    rope = spec.rope is not None
+    lam = decay_ref[pl.program_id(2)]
+    q_cs = _rope_cos_sin(q_info.get("pos"), inv_freq) if rope else None
+    q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
+    rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
+
+    def body(block, carry, masked):
+        c, acc = carry
+        if save_sums:  # the softplus sum right of this key block, for the backward
+            c_ref[0][block, :] = c
+        start = pl.multiple_of(block * block_k, block_k)
+        tile = pl.ds(start, block_k)
+        k_cs = _rope_cos_sin(kv_info.get("pos", tile), inv_freq) if rope else None
+        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
+        v = v_ref[tile, :]
+        cols = (start + jnp.arange(block_k))[None, :]
+        z = _logits(q, k, spec, lam, rows, cols)
+        valid = cols < rows if masked else None
+        sp, _, a = _stick(z, valid, c[:, None], axis=1)
+        acc = acc + _dot(a.astype(v.dtype), v, spec)
+        return c + sp.sum(axis=1), acc
+
+    carry = (jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
+    c, acc = _row_walk(body, carry, block_q, block_k, leftwards=True)
+    o_ref[...] = acc.astype(o_ref.dtype)
+    rem_ref[...] = jnp.exp(-c)
+
+
+def _fwd_call(st: _Static, q, k, v, decay, pos, inv_freq, *, save_sums: bool):
+    """-> out, rem and, when save_sums, the softplus sums at the key-block boundaries."""
+    batch, seq_pad, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    bq = st.blocks.block_q
+    side_specs, side_args = _side_specs_and_args(
+        pos, pos, inv_freq,
+        pl.BlockSpec((None, 1, bq), lambda i, b, h: (b, 0, i)),
+        pl.BlockSpec((None, 1, seq_pad), lambda i, b, h: (b, 0, 0)))
+    kv_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    sums_spec = pl.BlockSpec((None, None, seq_pad // st.blocks.block_k, bq), lambda i, b, h: (b, h, 0, i))
+    sums = jax.ShapeDtypeStruct((batch, num_heads, seq_pad // st.blocks.block_k, seq_pad), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, st=st, save_sums=save_sums),
+        grid=(seq_pad // bq, batch, num_heads),
+        in_specs=[pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
+                  kv_spec, kv_spec, pl.BlockSpec(decay.shape, lambda *_: (0,)), *side_specs],
+        out_specs=[pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] + [sums_spec] * save_sums,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)] + [sums] * save_sums,
+        compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps,
+                                             num_stages=st.blocks.num_stages),
+        interpret=st.interpret,
+        name="stick_breaking_fwd",
+    )(q, k, v, decay, *side_args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st: _Static):
+    """dQ and the per-row decay gradient; stores the g sums at every key-block boundary."""
+    spec = st.spec
+    q_info, kv_info, inv_freq, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
+    block_q, head_dim = q_ref.shape
+    block_k = st.blocks.block_k
+    rope = spec.rope is not None
+    lam = decay_ref[pl.program_id(2)]
+    q_cs = _rope_cos_sin(q_info.get("pos"), inv_freq) if rope else None
+    q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
+    do = do_ref[...]
+    rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
+
+    def body(block, carry, masked):
+        g_left, ddecay, dq = carry
+        g_ref[block, :] = g_left
+        start = pl.multiple_of(block * block_k, block_k)
+        tile = pl.ds(start, block_k)
+        k_cs = _rope_cos_sin(kv_info.get("pos", tile), inv_freq) if rope else None
+        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
+        v = v_ref[tile, :]
+        cols = (start + jnp.arange(block_k))[None, :]
+        z = _logits(q, k, spec, lam, rows, cols)
+        valid = cols < rows if masked else None
+        _, sigma, a = _stick(z, valid, c_ref[block, :][:, None], axis=1)
+        da = _dot(do, v, spec, trans_b=True)
+        dz, g = _dz(a, da, sigma, valid, g_left[:, None], axis=1)
+        ddecay = ddecay - jnp.sum(dz * (rows - cols).astype(jnp.float32), axis=1)
+        dz = dz.astype(k_ref.dtype)
+        dq = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dq, k))
+        return g_left + g.sum(axis=1), ddecay, dq
+
+    zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
+    carry = (g0_ref[...], jnp.zeros((block_q,), jnp.float32), tuple(zeros for _ in q))
+    _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False)
+    dq = _rotate(dq, q_cs, jnp.float32, inverse=True)
+    _store_parts(dq_ref, tuple(x * spec.scale for x in dq), spec, head_dim)
+    ddecay_ref[...] = ddecay
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st: _Static):
+    """One program per (key block, batch, kv head); loops over (query block, group head)."""
+    spec = st.spec
+    q_info, kv_info, inv_freq, (dk_ref, dv_ref) = _unpack(refs, spec)
+    block_k, head_dim = k_ref.shape
+    group = q_ref.shape[1]
+    block_q = st.blocks.block_q_dkv
+    num_q_blocks = q_ref.shape[0] // block_q
+    rope = spec.rope is not None
+    k_cs = _rope_cos_sin(kv_info.get("pos"), inv_freq) if rope else None
+    k = _rotate(_load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
+    v = v_ref[...]
+    first_col = pl.program_id(0) * block_k
+    first_head = pl.program_id(2) * group
+    cols = (first_col + jnp.arange(block_k))[:, None]
+
+    def body(step, carry, masked):
+        dk, dv = carry
+        i, g = step // group, step % group
+        start = pl.multiple_of(i * block_q, block_q)
+        tile = pl.ds(start, block_q)
+        q_cs = _rope_cos_sin(q_info.get("pos", tile), inv_freq) if rope else None
+        q = _rotate(_load_parts(q_ref, (tile, g), spec, head_dim), q_cs, q_ref.dtype)
+        do = do_ref[tile, g, :]
+        lam = decay_ref[first_head + g]
+        rows = (start + jnp.arange(block_q))[None, :]
+        z = _logits(q, k, spec, lam, rows, cols, k_major=True)  # [block_k, block_q]
+        valid = cols < rows if masked else None
+        _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :], axis=0)
+        da = _dot(v, do, spec, trans_b=True)
+        dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], axis=0)
+        dv = dv + _dot(a.astype(do.dtype), do, spec)
+        dz = dz.astype(q_ref.dtype)
+        dk = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dk, q))
+        return dk, dv
+
+    lo = (first_col + 1) // block_q  # first query block with a row > the first key
+    full = (first_col + block_k - 1) // block_q + 1  # from here every row > every key
+    full = jnp.minimum(full, num_q_blocks)
+    zeros = jnp.zeros((block_k, head_dim // len(k)), jnp.float32)
+    carry = (tuple(zeros for _ in k), jnp.zeros((block_k, head_dim), jnp.float32))
+    carry = jax.lax.fori_loop(lo * group, full * group, functools.partial(body, masked=True), carry)
+    dk, dv = jax.lax.fori_loop(full * group, num_q_blocks * group, functools.partial(body, masked=False), carry)
+    dk = _rotate(dk, k_cs, jnp.float32, inverse=True)
+    _store_parts(dk_ref, tuple(x * spec.scale for x in dk), spec, head_dim)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _bwd_call(st: _Static, q, k, v, decay, pos, inv_freq, do, g0, c_sums):
+    """g0 [B, H, S] = drem * rem; c_sums: the forward's softplus sums at key-block boundaries."""
+    batch, seq_pad, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    blocks = st.blocks
+    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    bq, bk = blocks.block_q, blocks.block_k
+    num_k_blocks = seq_pad // bk
+    decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
+
+    # dQ (+ the per-row decay gradient, + the g sums at each key-block boundary)
+    q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
+    kv_full_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    boundary_spec = pl.BlockSpec((None, None, num_k_blocks, bq), lambda i, b, h: (b, h, 0, i))
+    side_specs, side_args = _side_specs_and_args(
+        pos, pos, inv_freq,
+        pl.BlockSpec((None, 1, bq), lambda i, b, h: (b, 0, i)),
+        pl.BlockSpec((None, 1, seq_pad), lambda i, b, h: (b, 0, 0)))
+    boundary = jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32)
+    dq, ddecay, g_sums = pl.pallas_call(
+        functools.partial(_dq_kernel, st=st),
+        grid=(seq_pad // bq, batch, num_heads),
+        in_specs=[q_block_spec, kv_full_spec, kv_full_spec, decay_spec, q_block_spec, row_spec,
+                  boundary_spec, *side_specs],
+        out_specs=[q_block_spec, row_spec, boundary_spec],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32), boundary],
+        compiler_params=params, interpret=st.interpret, name="stick_breaking_bwd_dq",
+    )(q, k, v, decay, do, g0, c_sums, *side_args)
+
+    # dK/dV: query-side arrays viewed per kv head
+    q_group_spec = pl.BlockSpec((None, seq_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
+    boundary_group_spec = pl.BlockSpec((None, None, group, None, seq_pad), lambda j, b, h: (b, h, 0, j, 0))
+    kv_block_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
+    side_specs, side_args = _side_specs_and_args(
+        pos, pos, inv_freq,
+        pl.BlockSpec((None, 1, seq_pad), lambda j, b, h: (b, 0, 0)),
+        pl.BlockSpec((None, 1, bk), lambda j, b, h: (b, 0, j)))
+    as_groups = lambda x: x.reshape(batch, seq_pad, num_kv_heads, group, head_dim)
+    rows_as_groups = lambda x: x.reshape(batch, num_kv_heads, group, *x.shape[2:])
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, st=st),
+        grid=(num_k_blocks, batch, num_kv_heads),
+        in_specs=[q_group_spec, kv_block_spec, kv_block_spec, decay_spec, q_group_spec,
+                  boundary_group_spec, boundary_group_spec, *side_specs],
+        out_specs=[kv_block_spec, kv_block_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
+    )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums),
+      *side_args)
+    return dq, dk, dv, ddecay
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_vjp wiring (on tile-padded arrays) and the entry point
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _stick_breaking(st, q, k, v, decay, side):
+    return _fwd_call(st, q, k, v, decay, *side, save_sums=False)
+
+
+def _stick_breaking_fwd(st, q, k, v, decay, side):
+    out, rem, c_sums = _fwd_call(st, q, k, v, decay, *side, save_sums=True)
+    return (out, rem), (q, k, v, decay, side, rem, c_sums)
+
+
+def _stick_breaking_bwd(st, residuals, cotangents):
+    q, k, v, decay, side, rem, c_sums = residuals
+    do, drem = cotangents
+    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, *side, do.astype(q.dtype), drem * rem, c_sums)
+    return dq, dk, dv, _pad_axis(ddecay.sum(axis=(0, 2)), 0, decay.shape[0]), None
+
+
+_stick_breaking.defvjp(_stick_breaking_fwd, _stick_breaking_bwd)
+
+
+def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
+                          blocks: StickBreakingBlocks | None = None, interpret: bool | None = None):
+    """q [B, S, Hq, D], k/v [B, S, Hkv, D], decay [Hq] fp32 (validated) -> (out, rem [B, Hq, S]).
+
+    pos [B, S] int32 RoPE positions when spec.rope. Pads D to a power of two and S to a tile
+    multiple with zeros: padded keys sit right of every real row (never seen), padded rows are
+    sliced off and, with zero cotangents, add exactly zero to dK/dV.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    _, seq_len, _, head_dim = q.shape
+    head_pad = _pow2_at_least(head_dim) if spec.rope is None else 2 * _pow2_at_least(head_dim // 2)
+    if blocks is None:
+        blocks = default_stick_breaking_blocks(head_pad, interpret, q.dtype)
+    blocks = blocks.fitted(seq_len)
+    tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv)
+    seq_pad = pl.cdiv(seq_len, tile) * tile
+    qp = _pad_axis(_pad_head_dim(q, spec, head_pad, True), 1, seq_pad)
+    kp = _pad_axis(_pad_head_dim(k, spec, head_pad, True), 1, seq_pad)
+    vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
+    side = (None, None)
+    if spec.rope is not None:
+        inv_freq = _pad_axis(inverse_frequencies(head_dim, spec.rope.base), 0, head_pad // 2)
+        side = (_side_info(_info_fields(spec), seq_pad, None, pos), inv_freq)
+    decay_pad = _pad_axis(decay.astype(jnp.float32), 0, _pow2_at_least(decay.shape[0]))
+    st = _Static(spec, blocks, interpret)
+    out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, side)
+    return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]

@@ -1,0 +1,156 @@
+"""Stick-breaking attention (ExpoSB) in JAX: the Pallas kernels against the float64 golden under the
+tolerance rule (out, rem, dq, dk, dv, d decay), the definition itself, edge rows and bad inputs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_attn import Rope, stick_breaking_attention
+from jax_golden import NP_DTYPE
+from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare
+
+NAMES = ("out", "rem", "dq", "dk", "dv", "ddecay")
+
+
+def _draw(seed, batch, seq_len, heads, kv_heads, head_dim):
+    rng = np.random.default_rng(seed)
+    shapes = [(batch, seq_len, heads, head_dim), (batch, seq_len, kv_heads, head_dim),
+              (batch, seq_len, kv_heads, head_dim), (batch, seq_len, heads, head_dim), (batch, heads, seq_len)]
+    return [rng.standard_normal(s) for s in shapes]  # q, k, v, dout, drem
+
+
+def _run(arrays, dtype, decay, implementation, **kw):
+    """out, rem and the gradients of q, k, v, decay (cotangents dout and drem), float64 NumPy."""
+    q, k, v, do, drem = arrays
+    cast = lambda x: jnp.asarray(x, dtype)
+    decay_dtype = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    f = lambda q, k, v, d: stick_breaking_attention(q, k, v, decay=d, return_remainder=True,
+                                                    implementation=implementation, **kw)
+    (out, rem), vjp = jax.vjp(f, cast(q), cast(k), cast(v), jnp.asarray(decay, decay_dtype))
+    grads = vjp((cast(do), jnp.asarray(drem, rem.dtype)))
+    return [np.asarray(x, np.float64) for x in (out, rem, *grads)]
+
+
+def check(shape, dtype=jnp.float32, decay=0.0, seed=0, **kw):
+    arrays = _draw(seed, *shape)
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+        golden = _run(arrays, jnp.float64, decay, "xla", **kw)
+    with jax.default_matmul_precision("highest"):
+        naive = _run(arrays, dtype, decay, "xla", **kw)
+        fast = _run(arrays, dtype, decay, "pallas_triton", **kw)
+    for name, f, n, g in zip(NAMES, fast, naive, golden):
+        factor = FORWARD_FACTOR if name in ("out", "rem") else GRADIENT_FACTOR
+        verdict = compare(f, n, g, NP_DTYPE[dtype], factor)
+        assert verdict.ok, f"{name}: {verdict}"
+    return fast, golden
+
+
+@pytest.mark.parametrize("shape, decay", [
+    ((1, 37, 2, 2, 32), 0.0),                     # ragged: 3 tiles of 16, last partial
+    ((2, 50, 4, 2, 32), [0.0, 0.05, 0.2, 1.0]),   # GQA, per-head decay
+    ((1, 33, 4, 1, 48), 0.1),                     # MQA, scalar decay, D padded to 64
+    ((1, 1, 2, 2, 16), 0.0),                      # one token: no keys at all
+    ((1, 17, 1, 1, 80), 0.3),
+], ids=["ragged", "gqa_per_head_decay", "mqa_scalar_decay_d48", "single_token", "d80"])
+def test_against_golden(shape, decay):
+    check(shape, decay=decay)
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_rope_against_golden(style):
+    check((1, 40, 4, 2, 32), decay=[0.0, 0.1, 0.0, 0.4], rope=Rope(base=500.0, style=style))
+
+
+def test_rope_packed_positions():
+    pos = jnp.asarray(np.concatenate([np.arange(20), np.arange(25)])[None], jnp.int32)
+    check((1, 45, 2, 2, 32), decay=0.05, rope=Rope(), positions=pos)
+
+
+def test_fp16():
+    check((1, 64, 2, 2, 64), dtype=jnp.float16, decay=0.02)
+
+
+def test_definition_and_edge_rows():
+    """Against a direct product-of-sticks loop; row 0 gets out 0, rem 1, no NaN anywhere."""
+    q, k, v, _, _ = _draw(3, 1, 9, 1, 1, 16)
+    lam, scale = 0.2, 0.25
+    with jax.default_matmul_precision("highest"):
+        out, rem = stick_breaking_attention(jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32),
+                                            jnp.asarray(v, jnp.float32), scale=scale, decay=lam,
+                                            return_remainder=True)
+    q, k, v = q[0, :, 0], k[0, :, 0], v[0, :, 0]
+    for i in range(9):
+        beta = [1 / (1 + np.exp(-(scale * q[i] @ k[j] - lam * (i - j)))) for j in range(i)]
+        weights = [beta[j] * np.prod([1 - beta[m] for m in range(j + 1, i)]) for j in range(i)]
+        expected = sum((w * v[j] for j, w in enumerate(weights)), np.zeros(16))
+        np.testing.assert_allclose(np.asarray(out)[0, i, 0], expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(float(rem[0, 0, i]), 1 - sum(weights), rtol=1e-5, atol=1e-6)
+    assert float(rem[0, 0, 0]) == 1.0 and not np.any(np.asarray(out)[0, 0])
+
+
+def test_scalar_decay_gradient_is_the_sum_over_heads():
+    arrays = _draw(4, 1, 24, 4, 2, 16)
+    with jax.default_matmul_precision("highest"):
+        per_head = _run(arrays, jnp.float32, [0.1] * 4, "pallas_triton")[-1]
+        scalar = _run(arrays, jnp.float32, 0.1, "pallas_triton")[-1]
+    assert scalar.shape == ()
+    np.testing.assert_allclose(scalar, per_head.sum(), rtol=1e-5)
+
+
+def test_deterministic():
+    arrays = _draw(5, 1, 48, 4, 2, 32)
+    first = _run(arrays, jnp.float32, 0.1, "pallas_triton")
+    second = _run(arrays, jnp.float32, 0.1, "pallas_triton")
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_jit_with_learnable_decay():
+    q = jnp.ones((1, 20, 2, 16), jnp.float32)
+    loss = lambda d: stick_breaking_attention(q, q, q, decay=d).sum()
+    grad = jax.jit(jax.grad(loss))(jnp.asarray([0.1, 0.2]))
+    assert grad.shape == (2,) and np.all(np.isfinite(np.asarray(grad)))
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(decay=-0.1), ValueError, "decay must be finite and >= 0"),
+    (dict(decay=np.zeros(3, np.float32)), ValueError, r"decay must be a scalar or have shape \[Hq\]"),
+    (dict(decay=np.zeros(4, np.int32)), TypeError, "decay must have a floating dtype"),
+    (dict(decay="0.1"), TypeError, "decay must be a float"),
+    (dict(rope="interleaved"), TypeError, "rope must be a jax_attn.Rope"),
+    (dict(positions=np.zeros((1, 8), np.int32)), ValueError, "positions are given but rope is None"),
+    (dict(scale=0.0), ValueError, "scale must be a positive"),
+    (dict(implementation="cudnn"), NotImplementedError, "unknown implementation"),
+    (dict(causal=False), TypeError, "causal"),
+], ids=["negative_decay", "decay_shape", "decay_int", "decay_str", "rope_type", "positions_without_rope",
+        "scale", "implementation", "non_causal"])
+def test_bad_inputs(kw, error, match):
+    x = jnp.ones((1, 8, 4, 16), jnp.float32)
+    with pytest.raises(error, match=match):
+        stick_breaking_attention(x, x, x, **kw)
+
+
+def test_bad_shapes():
+    x = jnp.ones((1, 8, 4, 16), jnp.float32)
+    with pytest.raises(ValueError, match="same length"):
+        stick_breaking_attention(x, jnp.ones((1, 9, 4, 16)), jnp.ones((1, 9, 4, 16)))
+    with pytest.raises(ValueError, match="must divide"):
+        stick_breaking_attention(x, jnp.ones((1, 8, 3, 16)), jnp.ones((1, 8, 3, 16)))
+    with pytest.raises(ValueError, match="head dim must be even for RoPE"):
+        y = jnp.ones((1, 8, 2, 15))
+        stick_breaking_attention(y, y, y, rope=Rope())
+    with pytest.raises(ValueError, match="unknown rope style"):
+        Rope(style="neox")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape, kw", [
+    ((2, 1024, 8, 2, 128), dict(decay=0.01)),
+    ((1, 2048, 4, 4, 64), dict(rope=Rope(style="half"))),
+], ids=["gqa_d128", "rope_d64"])
+def test_gpu(dtype, shape, kw):
+    assert jax.default_backend() == "gpu", "gpu tests need a GPU"
+    check(shape, dtype=dtype, **kw)
