@@ -14,7 +14,11 @@ Position schemes (`position=`):
               input gets it: the residual of `EncoderBlock` carries x without it.
   "rope":     rotary embedding of q and k fused into the kernel: `flash_attention(..., rope=,
               positions=)` (positions None = 0 .. S-1).
-  "exposb":   stick-breaking attention; raises NotImplementedError (no kernel yet).
+  "exposb":   stick-breaking attention (`jax_attn.stick_breaking_attention`) on RoPE-rotated q, k
+              (the `rope` config, `positions`), with the distance decay `decay` (fixed) or, with
+              `learn_decay=True`, a learnable per-head decay softplus(decay_logit) started at
+              `decay` (> 0). Strictly causal by definition: it needs causal=True and takes no
+              window, softcap or segment ids.
 
 The PyTorch twins live in `torch_ref.layers` (same arguments, same submodule names); parameters
 move between them with `parity.bridge`.
@@ -26,15 +30,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_attn.api import flash_attention
 from jax_attn.positions import sinusoidal_at, sinusoidal_positions
 from jax_attn.rope import Rope
+from jax_attn.stick_breaking import stick_breaking_attention
 
 POSITIONS = ("none", "absolute", "rope", "exposb")
 LAYER_NORM_EPS = 1e-5
-EXPOSB_MESSAGE = "position='exposb' needs stick_breaking_attention, not implemented yet"
 
 
 def _positive_int(name: str, value) -> int:
@@ -43,7 +48,8 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
-def check_attention_args(d_model, num_heads, num_kv_heads, position) -> tuple[int, int, int, int]:
+def check_attention_args(d_model, num_heads, num_kv_heads, position, causal=False, window=None,
+                         softcap=None, decay=0.0, learn_decay=False) -> tuple[int, int, int, int]:
     """Validate the shape/position arguments; -> (d_model, num_heads, num_kv_heads, head_dim).
 
     The same checks and messages as `torch_ref.layers` (kept in step by tests/test_layers.py).
@@ -53,8 +59,6 @@ def check_attention_args(d_model, num_heads, num_kv_heads, position) -> tuple[in
     num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
     if position not in POSITIONS:
         raise ValueError(f"unknown position={position!r}; choose one of {POSITIONS}")
-    if position == "exposb":
-        raise NotImplementedError(EXPOSB_MESSAGE)
     if d_model % num_heads:
         raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
     if num_heads % num_kv_heads:
@@ -62,9 +66,31 @@ def check_attention_args(d_model, num_heads, num_kv_heads, position) -> tuple[in
     head_dim = d_model // num_heads
     if position == "absolute" and d_model % 2:
         raise ValueError(f"position='absolute' needs an even d_model, got d_model={d_model}")
-    if position == "rope" and head_dim % 2:
-        raise ValueError(f"position='rope' needs an even head dim, got d_model / num_heads = {head_dim}")
+    if position in ("rope", "exposb") and head_dim % 2:
+        raise ValueError(f"position={position!r} needs an even head dim, got d_model / num_heads = {head_dim}")
+    check_exposb_args(position, causal, window, softcap, decay, learn_decay)
     return d_model, num_heads, num_kv_heads, head_dim
+
+
+def check_exposb_args(position, causal, window, softcap, decay, learn_decay):
+    if not isinstance(decay, numbers.Real) or isinstance(decay, bool) or not decay >= 0 or decay == float("inf"):
+        raise ValueError(f"decay must be a finite float >= 0, got decay={decay!r}")
+    if position != "exposb":
+        if decay != 0.0 or learn_decay:
+            raise ValueError(f"decay / learn_decay belong to position='exposb', not position={position!r}")
+        return
+    if not causal:
+        raise ValueError("position='exposb' (stick-breaking) is strictly causal: pass causal=True")
+    if window is not None or softcap is not None:
+        raise ValueError("position='exposb' takes no window or softcap")
+    if learn_decay and decay <= 0:
+        raise ValueError("learn_decay=True needs decay > 0: the learned decay softplus(decay_logit) "
+                         "starts at decay and can never be exactly 0")
+
+
+def inverse_softplus(y: float) -> float:
+    """x with softplus(x) = y > 0 (the initial decay_logit)."""
+    return float(y + np.log(-np.expm1(-y)))
 
 
 class MultiHeadSelfAttention(nnx.Module):
@@ -74,7 +100,8 @@ class MultiHeadSelfAttention(nnx.Module):
       d_model: model width; d_model % num_heads == 0, head dim = d_model // num_heads.
       num_heads: query heads. num_kv_heads: key/value heads (default num_heads), dividing num_heads.
       position: "none" | "absolute" | "rope" | "exposb" (see the module docstring).
-      rope: the `Rope` config of position="rope" (ignored otherwise).
+      rope: the `Rope` config of position="rope" and "exposb" (ignored otherwise).
+      decay, learn_decay: the stick-breaking distance decay of position="exposb".
       causal, window, softcap, implementation: passed to `flash_attention` unchanged.
       use_bias: biases in the four projections.
       dtype: compute dtype of the projections and the attention; param_dtype: parameter dtype.
@@ -84,11 +111,12 @@ class MultiHeadSelfAttention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  position: str = "none", rope: Rope = Rope(), causal: bool = False,
                  window: tuple[int, int] | None = None, softcap: float | None = None,
+                 decay: float = 0.0, learn_decay: bool = False,
                  implementation: str | None = None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         d_model, num_heads, num_kv_heads, head_dim = check_attention_args(
-            d_model, num_heads, num_kv_heads, position)
-        if position == "rope" and not isinstance(rope, Rope):
+            d_model, num_heads, num_kv_heads, position, causal, window, softcap, decay, learn_decay)
+        if position in ("rope", "exposb") and not isinstance(rope, Rope):
             raise TypeError(f"rope must be a jax_attn.rope.Rope, got {type(rope).__name__}")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.position, self.rope = position, rope
@@ -103,6 +131,9 @@ class MultiHeadSelfAttention(nnx.Module):
         self.k_proj = linear(d_model, num_kv_heads * head_dim)
         self.v_proj = linear(d_model, num_kv_heads * head_dim)
         self.out_proj = linear(num_heads * head_dim, d_model)
+        self.decay, self.learn_decay = float(decay), bool(learn_decay)
+        if learn_decay:
+            self.decay_logit = nnx.Param(jnp.full((num_heads,), inverse_softplus(decay), param_dtype))
 
     def __call__(self, x, *, segment_ids=None, positions=None):
         """x [B, S, d_model] -> [B, S, d_model].
@@ -128,9 +159,16 @@ class MultiHeadSelfAttention(nnx.Module):
         v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         kwargs = dict(causal=self.causal, window=self.window, softcap=self.softcap,
                       segment_ids=segment_ids, implementation=self.implementation)
-        if self.position == "rope":
-            kwargs.update(rope=self.rope, positions=positions)
-        out = flash_attention(q, k, v, **kwargs)
+        if self.position == "exposb":
+            if segment_ids is not None:
+                raise ValueError("position='exposb' takes no segment_ids")
+            decay = jax.nn.softplus(self.decay_logit[...]) if self.learn_decay else self.decay
+            out = stick_breaking_attention(q, k, v, decay=decay, rope=self.rope, positions=positions,
+                                           implementation=self.implementation)
+        else:
+            if self.position == "rope":
+                kwargs.update(rope=self.rope, positions=positions)
+            out = flash_attention(q, k, v, **kwargs)
         return self.out_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
 
 
@@ -153,13 +191,15 @@ class EncoderBlock(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *,
                  num_kv_heads: int | None = None, position: str = "none", rope: Rope = Rope(),
                  causal: bool = False, window: tuple[int, int] | None = None,
-                 softcap: float | None = None, implementation: str | None = None,
+                 softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
+                 implementation: str | None = None,
                  use_bias: bool = True, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                  rngs: nnx.Rngs):
         d_ff = 4 * d_model if d_ff is None else _positive_int("d_ff", d_ff)
         self.attn = MultiHeadSelfAttention(
             d_model, num_heads, num_kv_heads=num_kv_heads, position=position, rope=rope,
-            causal=causal, window=window, softcap=softcap, implementation=implementation,
+            causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
+            implementation=implementation,
             use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = dict(epsilon=LAYER_NORM_EPS, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln1 = nnx.LayerNorm(d_model, **norm)

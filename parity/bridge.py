@@ -27,6 +27,9 @@ import torch
 from flax import nnx
 from torch import nn
 
+import jax_attn.layers as jax_layers
+import torch_ref.layers as torch_layers
+
 
 class BridgeError(ValueError):
     """The two modules' parameters do not correspond one to one (missing, extra, mis-shaped)."""
@@ -38,6 +41,7 @@ PARAM_MAP: dict[tuple[type, str], tuple[type, str, bool]] = {
     (nnx.Linear, "bias"): (nn.Linear, "bias", False),
     (nnx.LayerNorm, "scale"): (nn.LayerNorm, "weight", False),
     (nnx.LayerNorm, "bias"): (nn.LayerNorm, "bias", False),
+    (jax_layers.MultiHeadSelfAttention, "decay_logit"): (torch_layers.MultiHeadSelfAttention, "decay_logit", False),
 }
 
 

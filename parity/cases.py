@@ -1,7 +1,8 @@
 """The parity case registry: what is compared, variant by variant.
 
-A case names its variant, its shape (B, Sq, Sk, Hq, Hkv, D), its compute dtype and the keyword
-arguments of the call. Inputs are drawn from the case's seed in NumPy, once, and handed to both
+A case names its variant ("standard" and "rope": `flash_attention`; "stick_breaking":
+`stick_breaking_attention`, Sq == Sk), its shape (B, Sq, Sk, Hq, Hkv, D), its compute dtype and
+the keyword arguments of the call. Inputs are drawn from the case's seed in NumPy, once, and handed to both
 frameworks. `gpu=True` cases (fp16/bf16 and long sequences) run only where a GPU is present;
 `quick=True` cases form the `--quick` subset.
 """
@@ -28,11 +29,23 @@ class Case:
     gpu: bool = False
     quick: bool = False
 
+    @property
+    def quantities(self) -> tuple[str, ...]:
+        if self.variant == "stick_breaking":
+            return ("out", "rem", "dq", "dk", "dv", "ddecay")
+        return ("out", "lse", "dq", "dk", "dv")
+
+    @property
+    def decay(self):
+        """Stick-breaking decay: a float or a per-head tuple."""
+        return dict(self.kwargs).get("decay", 0.0)
+
     def call_kwargs(self) -> dict:
-        return dict(self.kwargs)
+        return {k: v for k, v in self.kwargs if k != "decay"}
 
     def draw(self):
-        """Seeded inputs: q, k, v, cotangent do (float64 NumPy) and segment ids (int32 or None)."""
+        """Seeded inputs: q, k, v, cotangent do (float64 NumPy), cotangent of the row statistic
+        (zero for lse, random for the stick-breaking remainder), segment ids and positions."""
         rng = np.random.default_rng(self.seed)
         b, sq, sk, hq, hkv, d = self.shape
         q = rng.standard_normal((b, sq, hq, d))
@@ -40,13 +53,16 @@ class Case:
         v = rng.standard_normal((b, sk, hkv, d))
         do = rng.standard_normal((b, sq, hq, d))
         seg = self._segment_ids(rng)
-        return q, k, v, do, seg, self._positions(rng, seg)
+        pos = self._positions(rng, seg)
+        dstat = rng.standard_normal((b, hq, sq)) if self.variant == "stick_breaking" else np.zeros((b, hq, sq))
+        return q, k, v, do, dstat, seg, pos
 
     def _positions(self, rng, seg):
         b, sq, sk = self.shape[:3]
         if self.positions is None:
             return None
         if self.positions == "restart_per_segment":  # packed sequences: 0, 1, ... per segment
+            seg = _packed(rng, b, sq) if seg is None else seg
             starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1, axis=1) != 0,
                                                     np.arange(sq)[None, :], 0), axis=1)
             return (np.arange(sq)[None, :] - starts).astype(np.int32)
@@ -59,15 +75,20 @@ class Case:
         b, sq, sk = self.shape[:3]
         if self.segments is None:
             return None
-        if self.segments == "packed":  # sorted ids, as in packed sequences; self-attention
-            cuts = np.sort(rng.choice(np.arange(1, sq), size=3, replace=False))
-            ids = (np.arange(sq)[None, :] >= cuts[:, None]).sum(0)
-            return np.broadcast_to(ids, (b, sq)).astype(np.int32).copy()
+        if self.segments == "packed":
+            return _packed(rng, b, sq)
         if self.segments == "pair_with_empty_rows":  # unsorted ids; id 9 has no keys at all
             q_ids = rng.integers(0, 3, (b, sq)).astype(np.int32)
             q_ids[:, sq // 2: sq // 2 + 5] = 9
             return q_ids, rng.integers(0, 3, (b, sk)).astype(np.int32)
         raise ValueError(f"unknown segments={self.segments!r}")
+
+
+def _packed(rng, batch, seq_len):
+    """Sorted ids of 4 packed sequences, the same in every batch row."""
+    cuts = np.sort(rng.choice(np.arange(1, seq_len), size=3, replace=False))
+    ids = (np.arange(seq_len)[None, :] >= cuts[:, None]).sum(0)
+    return np.broadcast_to(ids, (batch, seq_len)).astype(np.int32).copy()
 
 
 def _case(name, shape, dtype="float32", segments=None, gpu=False, quick=False, variant="standard",
@@ -78,6 +99,12 @@ def _case(name, shape, dtype="float32", segments=None, gpu=False, quick=False, v
 
 def _rope_case(name, shape, style, dtype="float32", **kwargs):
     return _case(name, shape, dtype, variant="rope", rope=(style, kwargs.pop("base", 10000.0)), **kwargs)
+
+
+def _sb_case(name, shape, dtype="float32", rope=None, **kwargs):
+    """Stick-breaking: shape (B, S, Hq, Hkv, D); rope (style, base) or None."""
+    b, s, hq, hkv, d = shape
+    return _case(name, (b, s, s, hq, hkv, d), dtype, variant="stick_breaking", rope=rope, **kwargs)
 
 
 CASES: list[Case] = [
@@ -113,4 +140,16 @@ CASES: list[Case] = [
     _rope_case("rope_interleaved_bf16_4k_packed", (1, 4096, 4096, 4, 4, 128), "interleaved",
                dtype="bfloat16", segments="packed", positions="restart_per_segment", causal=True,
                gpu=True),
+    # Stick-breaking (ExpoSB): strictly causal; out, rem, dq, dk, dv and d decay, with a cotangent on rem.
+    _sb_case("sb_gqa", (1, 77, 4, 2, 32), quick=True),
+    _sb_case("sb_decay_per_head_d48", (2, 64, 4, 4, 48), decay=(0.0, 0.02, 0.1, 0.5)),
+    _sb_case("sb_rope_interleaved_mqa", (1, 70, 6, 1, 32), rope=("interleaved", 10000.0), decay=0.05),
+    _sb_case("sb_rope_half_packed_positions", (2, 72, 4, 2, 40), rope=("half", 500.0),
+             positions="restart_per_segment", decay=0.01),
+    _sb_case("sb_fp16", (1, 64, 2, 2, 64), "float16", decay=0.01),
+    _sb_case("sb_bf16_2k_gqa", (2, 2048, 8, 2, 128), "bfloat16", gpu=True),
+    _sb_case("sb_bf16_4k_rope_decay", (1, 4096, 4, 4, 128), "bfloat16", rope=("half", 10000.0),
+             decay=(0.0, 0.001, 0.01, 0.1), gpu=True),
+    _sb_case("sb_fp16_1k_d64", (2, 1000, 8, 8, 64), "float16", decay=0.01, gpu=True),
+    _sb_case("sb_fp32_1k", (1, 1024, 4, 2, 128), gpu=True),
 ]

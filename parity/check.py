@@ -22,9 +22,6 @@ import time
 
 import numpy as np
 
-QUANTITIES = ("out", "lse", "dq", "dk", "dv")
-
-
 def _setup_torch():
     """Import torch; without CUDA, route Triton kernels through its interpreter (must precede the
     first triton import). fp32 cases compare exact matmuls: TF32 stays off (torch's default)."""
@@ -61,8 +58,9 @@ def _to_np(x) -> np.ndarray:
 
 
 def run_jax(case: Case, implementation: str, dtype: str, inputs):
-    """out, lse, dq, dk, dv (float64 NumPy) from jax_attn on the default JAX device."""
-    q, k, v, do, seg, pos = inputs
+    """The case's quantities (float64 NumPy) from jax_attn on the default JAX device:
+    out, lse | rem, then the gradients of q, k, v (and decay for stick-breaking)."""
+    q, k, v, do, dstat, seg, pos = inputs
     jdt = {"float64": jnp.float64, "float32": jnp.float32, "float16": jnp.float16,
            "bfloat16": jnp.bfloat16}[dtype]
     cast = lambda x: jnp.asarray(x, jdt)
@@ -70,31 +68,46 @@ def run_jax(case: Case, implementation: str, dtype: str, inputs):
         tuple(jnp.asarray(s) for s in x) if isinstance(x, tuple) else jnp.asarray(x))
     extra = {} if case.rope is None else dict(
         rope=jax_attn.Rope(style=case.rope[0], base=case.rope[1]), positions=ints(pos))
+    stat_dtype = jnp.float64 if dtype == "float64" else jnp.float32
+    args = [cast(q), cast(k), cast(v)]
+    if case.variant == "stick_breaking":
+        args.append(jnp.asarray(case.decay, stat_dtype))
 
-    def f(q, k, v):
-        return jax_attn.flash_attention(q, k, v, segment_ids=ints(seg), return_lse=True,
-                                        implementation=implementation, **case.call_kwargs(), **extra)
+        def f(q, k, v, decay):
+            return jax_attn.stick_breaking_attention(q, k, v, decay=decay, return_remainder=True,
+                                                     implementation=implementation, **case.call_kwargs(), **extra)
+    else:
+        def f(q, k, v):
+            return jax_attn.flash_attention(q, k, v, segment_ids=ints(seg), return_lse=True,
+                                            implementation=implementation, **case.call_kwargs(), **extra)
 
-    (out, lse), vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(v))
-    grads = vjp((cast(do), jnp.zeros_like(lse)))
-    return [_to_np(x) for x in (out, lse, *grads)]
+    (out, stat), vjp = jax.vjp(jax.jit(f), *args)
+    grads = vjp((cast(do), jnp.asarray(dstat, stat_dtype)))
+    return [_to_np(x) for x in (out, stat, *grads)]
 
 
 def run_torch(case: Case, implementation: str, dtype: str, inputs, device):
-    """out, lse, dq, dk, dv (float64 NumPy) from torch_ref."""
-    q, k, v, do, seg, pos = inputs
+    """The case's quantities (float64 NumPy) from torch_ref, as `run_jax`."""
+    q, k, v, do, dstat, seg, pos = inputs
     tdt = TORCH_DTYPES[dtype]
-    leaf = lambda x: torch.tensor(x, dtype=tdt, device=device, requires_grad=True)
-    qt, kt, vt = leaf(q), leaf(k), leaf(v)
+    leaf = lambda x, dt=tdt: torch.tensor(x, dtype=dt, device=device, requires_grad=True)
+    leaves = [leaf(q), leaf(k), leaf(v)]
     ids = lambda s: torch.tensor(s, dtype=torch.int32, device=device)
     ints = lambda x: None if x is None else (tuple(ids(s) for s in x) if isinstance(x, tuple) else ids(x))
     extra = {} if case.rope is None else dict(
         rope=torch_ref.Rope(style=case.rope[0], base=case.rope[1]), positions=ints(pos))
     impl = "eager" if dtype == "float64" else implementation
-    out, lse = torch_ref.flash_attention(qt, kt, vt, segment_ids=ints(seg), return_lse=True,
-                                         implementation=impl, **case.call_kwargs(), **extra)
-    grads = torch.autograd.grad(out, (qt, kt, vt), torch.tensor(do, dtype=tdt, device=device))
-    return [_to_np(x) for x in (out, lse, *grads)]
+    stat_dtype = torch.float64 if dtype == "float64" else torch.float32
+    if case.variant == "stick_breaking":
+        leaves.append(leaf(case.decay, stat_dtype))
+        out, stat = torch_ref.stick_breaking_attention(*leaves[:3], decay=leaves[3], return_remainder=True,
+                                                       implementation=impl, **case.call_kwargs(), **extra)
+    else:
+        out, stat = torch_ref.flash_attention(*leaves, segment_ids=ints(seg), return_lse=True,
+                                              implementation=impl, **case.call_kwargs(), **extra)
+    cotangents = (torch.tensor(do, dtype=tdt, device=device), torch.tensor(dstat, dtype=stat.dtype, device=device))
+    grads = torch.autograd.grad((out, stat), leaves, cotangents)
+    return [_to_np(x) for x in (out, stat, *grads)]
 
 
 def _golden_disagreement(a, b) -> float:
@@ -134,8 +147,8 @@ def check_case(case: Case, device) -> list[dict]:
                                  allowed=0.0, ratio=float("inf"), ok=False,
                                  reason=f"{type(e).__name__}: {e}"[:300]))
                 continue
-            for name, f, n, g in zip(QUANTITIES, fast, naive[framework], golden):
-                factor = FORWARD_FACTOR if name in ("out", "lse") else GRADIENT_FACTOR
+            for name, f, n, g in zip(case.quantities, fast, naive[framework], golden):
+                factor = FORWARD_FACTOR if name in ("out", "lse", "rem") else GRADIENT_FACTOR
                 v = compare(f, n, g, NP_DTYPES[case.dtype], factor)
                 rows.append(dict(case=case.name, impl=impl, quantity=name, error=v.error,
                                  allowed=v.allowed, ratio=v.ratio, ok=v.ok, reason=v.reason,

@@ -79,7 +79,7 @@ PARAM_NOISE = 0.1
 class LayerCase:
     name: str
     kind: str  # "attention" | "encoder" | "train"
-    position: str  # "none" | "absolute" | "rope"
+    position: str  # "none" | "absolute" | "rope" | "exposb"
     shape: tuple[int, int, int, int, int]  # batch, seq, d_model, num_heads, num_kv_heads
     d_ff: int = 64
     dtype: str = "float32"
@@ -99,7 +99,7 @@ class LayerCase:
     def layer_kwargs(self, framework: str) -> dict:
         """Constructor keywords shared by the twins (the Rope config is per framework)."""
         kwargs = dict(num_kv_heads=self.shape[4], position=self.position, **dict(self.kwargs))
-        if self.position == "rope":
+        if self.position in ("rope", "exposb"):
             kwargs["rope"] = (JaxRope if framework == "jax" else TorchRope)(style=self.rope_style)
         return kwargs
 
@@ -119,6 +119,12 @@ LAYER_CASES: list[LayerCase] = [
           kwargs=(("causal", True),), cpu_kernels=True, quick=True),
     _case("train_encoder_absolute", "train", "absolute", (4, 16, 32, 4, 4), kwargs=(("causal", True),),
           quick=True),
+    _case("layer_attention_exposb_learned_decay", "attention", "exposb", (2, 16, 32, 4, 2),
+          kwargs=(("causal", True), ("decay", 0.05), ("learn_decay", True)), cpu_kernels=True, quick=True),
+    _case("layer_encoder_exposb_half", "encoder", "exposb", (2, 16, 32, 4, 4), rope_style="half",
+          kwargs=(("causal", True), ("decay", 0.02))),
+    _case("train_encoder_exposb", "train", "exposb", (4, 16, 32, 4, 2),
+          kwargs=(("causal", True), ("decay", 0.1), ("learn_decay", True))),
 ]
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a lent GPU (no network, packages preinstalled): GPU tests, the parity check and
-# the benchmarks, logs under $OUT. Usage: bash scripts/gpu_session.sh [warn|tests|parity|rope|bench|all]...
+# the benchmarks, logs under $OUT. Usage: bash scripts/gpu_session.sh [warn|tests|parity|rope|sb|bench|all]...
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -19,15 +19,29 @@ with warnings.catch_warnings(record=True) as w:
 print('warnings seen after the library filter:', [(type(i.message).__name__, str(i.message)[:200]) for i in w])
 " 2>&1 | tail -5
 fi
-if has tests; then
-  timeout 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -25
+if has tests; then  # GPU tests, one pytest per file in parallel (compilation is CPU-bound)
+  for f in ${GPU_TEST_FILES:-tests/test_jax_stick_breaking.py tests/test_torch_stick_breaking.py tests/test_jax_flash.py tests/test_jax_rope.py tests/test_torch_ref.py tests/test_torch_rope.py}; do
+    n=$(basename "$f" .py)
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "$f" -p no:cacheprovider > "$OUT/gpu-$n.txt" 2>&1 &
+  done
 fi
-if has parity; then
-  timeout 300 python3 -m parity.check --json "$OUT/parity-gpu.json" > "$OUT/parity-gpu.txt" 2>&1
-  echo "parity exit $?"; grep -E "FAIL|passed in|Error" "$OUT/parity-gpu.txt" | head -30
+if has parity; then  # parity in shards of cases, in parallel; PARITY_CASES picks cases (default all)
+  cases=${PARITY_CASES:-$(python3 -c "from parity.cases import CASES; from parity.layers import LAYER_CASES; print(' '.join(c.name for c in CASES + LAYER_CASES))")}
+  shards=${PARITY_SHARDS:-6}; i=0
+  declare -a shard
+  for c in $cases; do shard[$((i % shards))]+="${shard[$((i % shards))]:+,}$c"; i=$((i+1)); done
+  for s in "${!shard[@]}"; do
+    timeout ${PARITY_TIMEOUT:-420} python3 -m parity.check --cases "${shard[$s]}" --json "$OUT/parity-gpu-$s.json" > "$OUT/parity-gpu-$s.txt" 2>&1 &
+  done
 fi
+wait
+if has tests; then tail -n 3 "$OUT"/gpu-test_*.txt; fi
+if has parity; then grep -hE "FAIL|passed in|Error|: ok" "$OUT"/parity-gpu-*.txt | grep -v "│ ok" | head -80; fi
 if has rope; then
   timeout 300 python3 benchmarks/rope.py --out "$OUT" 2>&1 | tee "$OUT/rope-log.txt" | tail -12
+fi
+if has sb; then
+  timeout 300 python3 benchmarks/stick_breaking.py --out "$OUT" 2>&1 | tee "$OUT/sb-log.txt" | tail -16
 fi
 if has bench; then
   timeout 480 python3 benchmarks/attention.py --out "$OUT" 2>&1 | tee "$OUT/bench-log.txt" | tail -40

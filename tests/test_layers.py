@@ -34,7 +34,6 @@ from parity import bridge  # noqa: E402
 from parity import layers as pl  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-EXPOSB = "position='exposb' needs stick_breaking_attention, not implemented yet"
 
 
 @pytest.fixture(autouse=True)
@@ -301,18 +300,26 @@ FRAMEWORKS = {
     ((32, 0), {}, ValueError, r"num_heads must be a positive int"),
     ((18, 2), dict(position="rope"), ValueError, r"position='rope' needs an even head dim"),
     ((9, 3), dict(position="absolute"), ValueError, r"position='absolute' needs an even d_model"),
-    ((32, 4), dict(position="exposb"), NotImplementedError, "^" + EXPOSB.replace("(", r"\(") + "$"),
+    ((32, 4), dict(position="exposb"), ValueError, r"position='exposb' \(stick-breaking\) is strictly causal"),
+    ((32, 4), dict(position="exposb", causal=True, window=(3, 0)), ValueError, "takes no window or softcap"),
+    ((32, 4), dict(position="exposb", causal=True, decay=-1.0), ValueError, "decay must be a finite float >= 0"),
+    ((32, 4), dict(position="exposb", causal=True, learn_decay=True), ValueError, "learn_decay=True needs decay > 0"),
+    ((32, 4), dict(position="none", decay=0.1), ValueError, "belong to position='exposb'"),
+    ((18, 2), dict(position="exposb", causal=True), ValueError, r"position='exposb' needs an even head dim"),
 ])
 def test_constructor_errors(framework, args, kwargs, error, match):
     with pytest.raises(error, match=match):
         FRAMEWORKS[framework](*args, **kwargs)
 
 
-def test_exposb_message_is_exact():
-    for make in FRAMEWORKS.values():
-        with pytest.raises(NotImplementedError) as info:
-            make(32, 4, position="exposb")
-        assert str(info.value) == EXPOSB
+def test_exposb_learned_decay_starts_at_decay():
+    f = jl.MultiHeadSelfAttention(32, 4, position="exposb", causal=True, decay=0.3, learn_decay=True,
+                                  rngs=nnx.Rngs(0))
+    t = tl.MultiHeadSelfAttention(32, 4, position="exposb", causal=True, decay=0.3, learn_decay=True)
+    np.testing.assert_allclose(np.asarray(jax.nn.softplus(f.decay_logit[...])), 0.3, rtol=1e-6)
+    np.testing.assert_allclose(torch.nn.functional.softplus(t.decay_logit).detach().numpy(), 0.3, rtol=1e-6)
+    with pytest.raises(ValueError, match="takes no segment_ids"):
+        f(jnp.zeros((1, 4, 32)), segment_ids=jnp.zeros((1, 4), jnp.int32))
 
 
 def test_wrong_rope_type_and_stray_positions():

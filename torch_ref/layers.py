@@ -9,12 +9,14 @@ same computation, on `torch_ref.flash_attention`. Parameters come from the Flax 
 their input, weight and bias to `dtype` (the parameters themselves, and so their gradients, stay
 in `param_dtype`). LayerNorm normalises in float32 or wider and returns `dtype`.
 
-Position schemes: see `jax_attn.layers` ("none", "absolute", "rope"; "exposb" raises
-NotImplementedError). `rope` is a `torch_ref.Rope` (the twin of `jax_attn.Rope`: same fields,
+Position schemes: see `jax_attn.layers` ("none", "absolute", "rope", "exposb": stick-breaking on
+`torch_ref.stick_breaking_attention`, with a fixed `decay` or a learnable per-head
+softplus(`decay_logit`)). `rope` is a `torch_ref.Rope` (the twin of `jax_attn.Rope`: same fields,
 defaults and meaning).
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -24,10 +26,10 @@ from torch import nn
 from .flash import flash_attention
 from .positions import sinusoidal_at, sinusoidal_positions
 from .rope import Rope
+from .stick_breaking import stick_breaking_attention
 
 POSITIONS = ("none", "absolute", "rope", "exposb")
 LAYER_NORM_EPS = 1e-5
-EXPOSB_MESSAGE = "position='exposb' needs stick_breaking_attention, not implemented yet"
 
 
 def _positive_int(name: str, value) -> int:
@@ -36,7 +38,8 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
-def check_attention_args(d_model, num_heads, num_kv_heads, position) -> tuple[int, int, int, int]:
+def check_attention_args(d_model, num_heads, num_kv_heads, position, causal=False, window=None, softcap=None,
+                         decay=0.0, learn_decay=False) -> tuple[int, int, int, int]:
     """Validate the shape/position arguments; -> (d_model, num_heads, num_kv_heads, head_dim).
     The same checks and messages as `jax_attn.layers.check_attention_args`."""
     d_model = _positive_int("d_model", d_model)
@@ -44,8 +47,6 @@ def check_attention_args(d_model, num_heads, num_kv_heads, position) -> tuple[in
     num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
     if position not in POSITIONS:
         raise ValueError(f"unknown position={position!r}; choose one of {POSITIONS}")
-    if position == "exposb":
-        raise NotImplementedError(EXPOSB_MESSAGE)
     if d_model % num_heads:
         raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
     if num_heads % num_kv_heads:
@@ -53,9 +54,32 @@ def check_attention_args(d_model, num_heads, num_kv_heads, position) -> tuple[in
     head_dim = d_model // num_heads
     if position == "absolute" and d_model % 2:
         raise ValueError(f"position='absolute' needs an even d_model, got d_model={d_model}")
-    if position == "rope" and head_dim % 2:
-        raise ValueError(f"position='rope' needs an even head dim, got d_model / num_heads = {head_dim}")
+    if position in ("rope", "exposb") and head_dim % 2:
+        raise ValueError(f"position={position!r} needs an even head dim, got d_model / num_heads = {head_dim}")
+    check_exposb_args(position, causal, window, softcap, decay, learn_decay)
     return d_model, num_heads, num_kv_heads, head_dim
+
+
+def check_exposb_args(position, causal, window, softcap, decay, learn_decay):
+    """The same checks and messages as `jax_attn.layers.check_exposb_args`."""
+    if not isinstance(decay, numbers.Real) or isinstance(decay, bool) or not decay >= 0 or decay == float("inf"):
+        raise ValueError(f"decay must be a finite float >= 0, got decay={decay!r}")
+    if position != "exposb":
+        if decay != 0.0 or learn_decay:
+            raise ValueError(f"decay / learn_decay belong to position='exposb', not position={position!r}")
+        return
+    if not causal:
+        raise ValueError("position='exposb' (stick-breaking) is strictly causal: pass causal=True")
+    if window is not None or softcap is not None:
+        raise ValueError("position='exposb' takes no window or softcap")
+    if learn_decay and decay <= 0:
+        raise ValueError("learn_decay=True needs decay > 0: the learned decay softplus(decay_logit) "
+                         "starts at decay and can never be exactly 0")
+
+
+def inverse_softplus(y: float) -> float:
+    """x with softplus(x) = y > 0 (the initial decay_logit)."""
+    return float(y + math.log(-math.expm1(-y)))
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,11 +100,13 @@ class MultiHeadSelfAttention(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  position: str = "none", rope: Rope = Rope(), causal: bool = False, window=None,
-                 softcap=None, implementation: str | None = None, use_bias: bool = True,
-                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32, device=None):
+                 softcap=None, decay: float = 0.0, learn_decay: bool = False, implementation: str | None = None,
+                 use_bias: bool = True, dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32,
+                 device=None):
         super().__init__()
-        d_model, num_heads, num_kv_heads, head_dim = check_attention_args(d_model, num_heads, num_kv_heads, position)
-        if position == "rope" and not isinstance(rope, Rope):
+        d_model, num_heads, num_kv_heads, head_dim = check_attention_args(
+            d_model, num_heads, num_kv_heads, position, causal, window, softcap, decay, learn_decay)
+        if position in ("rope", "exposb") and not isinstance(rope, Rope):
             raise TypeError(f"rope must be a torch_ref.Rope, got {type(rope).__name__}")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.position, self.rope = position, rope
@@ -92,6 +118,10 @@ class MultiHeadSelfAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, **factory)
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, **factory)
         self.out_proj = nn.Linear(num_heads * head_dim, d_model, **factory)
+        self.decay, self.learn_decay = float(decay), bool(learn_decay)
+        if learn_decay:
+            self.decay_logit = nn.Parameter(
+                torch.full((num_heads,), inverse_softplus(decay), dtype=param_dtype, device=device))
 
     def forward(self, x: torch.Tensor, *, segment_ids=None, positions=None) -> torch.Tensor:
         """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions int [B, S]."""
@@ -112,9 +142,16 @@ class MultiHeadSelfAttention(nn.Module):
         v = _linear(self.v_proj, x, self.dtype).reshape(batch, length, self.num_kv_heads, self.head_dim)
         kwargs = dict(causal=self.causal, window=self.window, softcap=self.softcap,
                       segment_ids=segment_ids, implementation=self.implementation)
-        if self.position == "rope":
-            kwargs.update(rope=self.rope, positions=positions)
-        out = flash_attention(q, k, v, **kwargs)
+        if self.position == "exposb":
+            if segment_ids is not None:
+                raise ValueError("position='exposb' takes no segment_ids")
+            decay = F.softplus(self.decay_logit) if self.learn_decay else self.decay
+            out = stick_breaking_attention(q, k, v, decay=decay, rope=self.rope, positions=positions,
+                                           implementation=self.implementation)
+        else:
+            if self.position == "rope":
+                kwargs.update(rope=self.rope, positions=positions)
+            out = flash_attention(q, k, v, **kwargs)
         return _linear(self.out_proj, out.reshape(batch, length, self.num_heads * self.head_dim), self.dtype)
 
 
@@ -132,13 +169,14 @@ class EncoderBlock(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *,
                  num_kv_heads: int | None = None, position: str = "none", rope: Rope = Rope(), causal: bool = False,
-                 window=None, softcap=None, implementation: str | None = None, use_bias: bool = True,
+                 window=None, softcap=None, decay: float = 0.0, learn_decay: bool = False,
+                 implementation: str | None = None, use_bias: bool = True,
                  dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         d_ff = 4 * d_model if d_ff is None else _positive_int("d_ff", d_ff)
         self.attn = MultiHeadSelfAttention(
             d_model, num_heads, num_kv_heads=num_kv_heads, position=position, rope=rope, causal=causal,
-            window=window, softcap=softcap, implementation=implementation, use_bias=use_bias, dtype=dtype,
+            window=window, softcap=softcap, decay=decay, learn_decay=learn_decay, implementation=implementation, use_bias=use_bias, dtype=dtype,
             param_dtype=param_dtype, device=device)
         self.dtype = dtype
         self.ln1 = nn.LayerNorm(d_model, eps=LAYER_NORM_EPS, dtype=param_dtype, device=device)

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Stick-breaking (ExpoSB) benchmark (GPU): our kernels against our causal softmax kernel and the
+plain-jnp stick-breaking, plus the torch_ref Triton twin.
+
+Run from the repository root: `PYTHONPATH=. python3 benchmarks/stick_breaking.py --out benchmarks/results`.
+
+Rows (bf16, forward and forward+backward; default shape 2x8192x16x128, decay 0.01 per head,
+learnable: its gradient is computed too):
+  softmax       jax_attn.flash_attention(causal=True)                (the reference speed)
+  sb            jax_attn.stick_breaking_attention (Pallas kernels)
+  sb+rope       the same with fused RoPE (the ExpoSB layer's call)
+  sb_xla        the plain-jnp stick-breaking ([B, H, S, S] in memory: run at a shorter S)
+  torch_sb      torch_ref.stick_breaking_attention (Triton kernels), timed with CUDA events
+Targets (issue 4): sb fwd+bwd >= 0.6x the TFLOP/s of causal softmax; >= 20x the plain-jnp path.
+FLOPs counted as for causal attention (2*B*S*S*H*D fwd, x3.5 for fwd+bwd), so the TF/s compare
+directly with benchmarks/attention.py (the extra cumsum and transcendentals are not counted).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from benchmarks.attention import (_make_fwdbwd, device_info, flops, log, slugify, time_jax,
+                                  versions, write_json)
+
+import jax  # noqa: E402  (benchmarks.attention configured the allocator before importing jax)
+import jax.numpy as jnp  # noqa: E402
+
+import jax_attn  # noqa: E402
+from jax_attn import Rope, flash_attention, stick_breaking_attention  # noqa: E402
+
+
+def candidates(heads: int):
+    decay = jnp.full((heads,), 0.01, jnp.float32)
+    return {
+        "softmax": lambda q, k, v: flash_attention(q, k, v, causal=True),
+        "sb": lambda q, k, v: stick_breaking_attention(q, k, v, decay=decay),
+        "sb+rope": lambda q, k, v: stick_breaking_attention(q, k, v, decay=decay, rope=Rope(style="half")),
+        "sb_xla": lambda q, k, v: stick_breaking_attention(q, k, v, decay=decay, implementation="xla"),
+    }
+
+
+def time_torch(B, S, H, D, mode, repeats):
+    import torch
+    import triton
+
+    import torch_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v, do = make(), make(), make(), make()
+    decay = torch.full((H,), 0.01, device="cuda", requires_grad=True)
+    if mode == "fwdbwd":
+        for t in (q, k, v):
+            t.requires_grad_(True)
+
+    def run():
+        out = torch_ref.stick_breaking_attention(q, k, v, decay=decay)
+        if mode == "fwdbwd":
+            torch.autograd.grad(out, (q, k, v, decay), do)
+
+    t0 = time.time()
+    run()
+    torch.cuda.synchronize()
+    first = time.time() - t0
+    ms = min(triton.testing.do_bench(run, warmup=25, rep=100) for _ in range(repeats))
+    return ms, first
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--shape", default="2,8192,16,128", help="B,S,H,D")
+    parser.add_argument("--xla-seq", type=int, default=2048, help="S of the plain-jnp rows (memory S^2)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--target-ms", type=float, default=30.0)
+    parser.add_argument("--no-torch", action="store_true")
+    args = parser.parse_args(argv)
+    B, S, H, D = (int(x) for x in args.shape.split(","))
+    name, kind, _ = device_info(False)
+    rows = []
+
+    def bench(impl, f, seq, mode):
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v, do = (jax.random.normal(kk, (B, seq, H, D), jnp.bfloat16) for kk in keys)
+        row = dict(impl=impl, mode=mode, B=B, S=seq, H=H, D=D, causal=True, dtype="bfloat16")
+        try:
+            g = jax.jit(f) if mode == "fwd" else jax.jit(_make_fwdbwd(f))
+            call_args = (q, k, v) if mode == "fwd" else (q, k, v, do)
+            ms, _, first_s = time_jax(g, call_args, args.target_ms, args.repeats)
+            row.update(ms=ms, tflops=flops(B, seq, H, D, True, mode) / (ms * 1e-3) / 1e12, first_call_s=first_s)
+            log(f"S={seq:6d} {mode:7s} {impl:9s} {ms:9.3f} ms {row['tflops']:7.1f} TF/s")
+        except Exception as e:  # recorded, the run goes on
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            log(f"S={seq:6d} {mode:7s} {impl:9s} error {row['error'][:160]}")
+        rows.append(row)
+
+    for mode in ("fwd", "fwdbwd"):
+        for impl, f in candidates(H).items():
+            if impl == "sb_xla":
+                bench("sb", candidates(H)["sb"], args.xla_seq, mode)  # the kernel at the xla length
+                bench(impl, f, args.xla_seq, mode)
+            else:
+                bench(impl, f, S, mode)
+        if not args.no_torch:
+            row = dict(impl="torch_sb", mode=mode, B=B, S=S, H=H, D=D, causal=True, dtype="bfloat16")
+            try:
+                ms, first = time_torch(B, S, H, D, mode, args.repeats)
+                row.update(ms=ms, tflops=flops(B, S, H, D, True, mode) / (ms * 1e-3) / 1e12, first_call_s=first)
+                log(f"S={S:6d} {mode:7s} torch_sb  {ms:9.3f} ms {row['tflops']:7.1f} TF/s")
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+                log(f"torch_sb {mode} error {row['error'][:160]}")
+            rows.append(row)
+
+    ms = {(r["impl"], r["mode"], r["S"]): r.get("ms") for r in rows}
+    print("\n| mode | softmax ms | sb ms | sb+rope ms | torch_sb ms | sb TF/s / softmax TF/s "
+          f"| sb_xla / sb (S={args.xla_seq}) |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in ("fwd", "fwdbwd"):
+        t = [ms.get((i, mode, S)) for i in ("softmax", "sb", "sb+rope", "torch_sb")]
+        fast, slow = ms.get(("sb", mode, args.xla_seq)), ms.get(("sb_xla", mode, args.xla_seq))
+        ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"
+        cells = " | ".join(f"{x:.3f}" if x else "err" for x in t)
+        print(f"| {mode} | {cells} | {ratio(t[0], t[1])} | {ratio(slow, fast)} |")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"stick-breaking-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
+    write_json(path, dict(device=name, date=time.strftime("%Y-%m-%d"), versions=versions(),
+                          jax_attn_device=str(jax_attn.device_info()), rows=rows))
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,653 @@
+"""Triton kernels for stick-breaking attention ("ExpoSB"): forward, dQ, dK/dV, and their launchers.
+
+Definition: see `torch_ref.stick_breaking`. Strictly causal; for key j < row i,
+  z_ij = scale * q~_i . k~_j - lambda_h (i - j),  sp = softplus(z),  log beta = log sigmoid(z),
+  log A_ij = log beta_ij - sum_{j<m<i} sp_im,  out_i = sum_j A_ij v_j,  rem_i = exp(-sum_j sp_ij).
+All log-space math is fp32; A is rounded to v.dtype for the A v product (fp32 accumulation).
+softplus(z) = max(z, 0) + t and log sigmoid(z) = min(z, 0) - t with t = log1p(exp(-|z|)) (an
+accurate log1p: tl has none).
+
+Forward (one program per query tile, head, batch row): walk the key blocks from the diagonal
+leftwards; `c` is the sum of sp over the keys already walked (to the right). Per tile the strict
+suffix sum along the keys is cumsum(sp, reverse) - sp (not rowsum - cumsum: that one carries an
+error of eps * rowsum into log A right at the diagonal, where A is largest; 30x the reference's
+error in fp32). No max shift is needed: log A <= 0.
+
+Backward, with g_ij = A_ij (dO_i . v_j), sigma = sigmoid(z) and the inclusive prefix
+P_ij = sum_{m<=j} g_im + drem_i rem_i:
+  dz_ij = g_ij - sigma_ij P_ij   (j < i; else 0),
+  dq = scale * dz k~, dk = scale * dz^T q~ (both rotated back with RoPE), dv = A^T dO,
+  d lambda_h = -sum_{b,i,j} dz_ij (i - j).
+(P_ij = Drow_i - sum_{j<m<i} g_im with Drow_i = dO_i . out_i + drem_i rem_i, but evaluating it that
+way from the right cancels: an error of eps * |Drow_i| on every key, weighted by sigma_ij, which is
+not small far from the diagonal: 9x the reference's dq error and 100x its d lambda error in fp32.
+So P is summed from the left, like the reference's autograd does, and `out` is not needed.)
+dQ kernel, one program per query tile, head, batch row, two passes over the same key blocks:
+pass 1 walks right to left (like the forward, softplus only) and stores the softplus sum right of
+each key block, Cb [B, Hq, key blocks, S] fp32; pass 2 walks left to right with the prefix sums
+of g, computes dz and dq (and d lambda per row), and stores the prefix at each block's left edge,
+Pb [B, Hq, key blocks, S]. The dK/dV kernel (one program per key block and kv head, looping over
+the GQA group's heads and the query tiles at and below the diagonal) reads Cb and Pb back, so
+both backward kernels share the key block size `bwd_block_n`. No atomics: deterministic.
+
+Masking: tiles strictly left of the diagonal (every key < every row of the tile, all in range)
+skip the element mask; diagonal tiles and the ragged end of the sequence apply it. Row 0 (no
+key) and key S - 1 (seen by no row) are kept out of the products, so NaN / inf there cannot spread.
+
+RoPE reuses the helpers of `flash_triton` (q, k tiles loaded as the two rotated pair halves;
+dq, dk accumulated as halves and rotated back before the store). Importing this module imports
+triton: choose the interpreter (TRITON_INTERPRET=1) before that.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .flash_triton import INTERPRETED, _device_ctx, _load_2d, _load_rotated, _precision, _rope_args, _store_unrotated
+
+__all__ = ["StickBreakingConfig", "default_config", "forward", "backward", "INTERPRETED"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Block configuration
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StickBreakingConfig:
+    """Tile sizes and launch parameters.
+
+    forward: program = block_m query rows, walking key tiles of block_n.
+    dQ:      program = dq_block_m query rows, walking key tiles of bwd_block_n.
+    dK/dV:   program = bwd_block_n keys, looping over query tiles of dkdv_block_m (all GQA heads).
+    bwd_block_n is shared by the two backward kernels: the boundary arrays are per key block.
+    block_d is the head dim rounded up to a power of two (>= 16, the tl.dot minimum). Any
+    power-of-two sizes >= 16 work together (no divisibility between them is assumed).
+    """
+
+    block_d: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    bwd_block_n: int
+    dq_block_m: int
+    dkdv_block_m: int
+    bwd_num_warps: int
+    bwd_num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_d", "block_m", "block_n", "bwd_block_n", "dq_block_m", "dkdv_block_m"):
+            val = getattr(self, name)
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"StickBreakingConfig.{name}={val} must be a power of two >= 16")
+
+
+def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBreakingConfig:
+    """Heuristic on head dim and element size (not tuned by measurement yet).
+
+    The tiles hold more fp32 [rows, keys] temporaries than the softmax kernels (z, softplus,
+    suffix sums, A; in the backward also sigma, g and dz), so they are a step smaller than
+    flash_triton's at the same head dim. The interpreter gets small tiles (CPU tests).
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if not on_gpu:
+        return StickBreakingConfig(block_d, 16, 32, 4, 1, 32, 16, 16, 4, 1)
+    wide = dtype == torch.float32
+    # (block_m, block_n, warps, stages), (bwd_block_n, dq_block_m, dkdv_block_m, warps, stages)
+    if block_d <= 64:
+        fwd = (64, 64, 4, 3) if not wide else (64, 32, 4, 2)
+        bwd = (64, 64, 64, 4, 2) if not wide else (32, 64, 32, 4, 2)
+    elif block_d <= 128:
+        fwd = (64, 64, 4, 2) if not wide else (64, 32, 4, 2)
+        bwd = (32, 64, 64, 4, 2) if not wide else (32, 32, 32, 4, 1)
+    else:  # 256
+        fwd = (64, 32, 8, 2) if not wide else (32, 32, 4, 1)
+        bwd = (32, 32, 32, 8, 1) if not wide else (16, 32, 16, 4, 1)
+    return StickBreakingConfig(block_d, *fwd, *bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _log1p(e):
+    """log(1 + e) for e >= 0 without losing e where 1 + e rounds (Goldberg's correction:
+    log(u) * e / (u - 1) with u = fl(1 + e), and e itself where u == 1)."""
+    u = 1.0 + e
+    tiny = u == 1.0
+    return tl.where(tiny, e, tl.log(u) * (e / tl.where(tiny, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _softplus_logsigmoid(z):
+    """(softplus(z), log sigmoid(z)) in fp32, stable for any z: t = log1p(exp(-|z|)) in (0, ln 2],
+    softplus = max(z, 0) + t, log sigmoid = min(z, 0) - t."""
+    t = _log1p(tl.exp(-tl.abs(z)))
+    return tl.maximum(z, 0.0) + t, tl.minimum(z, 0.0) - t
+
+
+@triton.jit
+def _logits(qk, scale, lam, rows, cols, HAS_DECAY: tl.constexpr):
+    """z = scale * q.k - lambda * (i - j); rows, cols are pre-broadcast index tiles."""
+    z = qk * scale
+    if HAS_DECAY:
+        z = z - lam * (rows - cols).to(tl.float32)
+    return z
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, c, q, q2, k_base, v_base, kp_base, sks, skd, svs, svd, skp_s, theta, lam, rows, m_last,
+               offs_n, offs_d, offs_h, d_ok, h_ok, S, scale, blk_top, n_blk,
+               BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
+               DIAG: tl.constexpr, HAS_DECAY: tl.constexpr, ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Key blocks blk_top - 1 down to blk_top - n_blk. DIAG: tiles that need the element mask j < i
+    (and bounds checks on the keys); otherwise every key of the tile precedes every row."""
+    for t in range(0, n_blk):
+        blk = blk_top - 1 - t
+        cols = blk * BLOCK_N + offs_n
+        n_ok = cols < S
+        if ROPE:
+            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                    DIAG, CHECK_H, ROPE_INTERLEAVED, True)
+            qk = tl.dot(q, kT, input_precision=PRECISION)
+            qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
+        else:
+            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
+            qk = tl.dot(q, kT, input_precision=PRECISION)
+        v = _load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, DIAG, CHECK_D)
+        z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY)
+        sp, log_beta = _softplus_logsigmoid(z)
+        if DIAG:
+            valid = cols[None, :] < rows[:, None]
+            sp = tl.where(valid, sp, 0.0)
+        rs = tl.sum(sp, axis=1)
+        suffix = tl.cumsum(sp, axis=1, reverse=True) - sp  # sum_{j<m<i} within the tile
+        a = tl.exp(log_beta - c[:, None] - suffix)
+        if DIAG:
+            a = tl.where(valid, a, 0.0)
+            v = tl.where((cols < m_last)[:, None], v, 0.0)  # keys no row of the tile sees: keep 0 * NaN out
+        acc = tl.dot(a.to(v.dtype), v, acc, input_precision=PRECISION)
+        c = c + rs
+    return acc, c
+
+
+@triton.jit
+def _sb_fwd_kernel(Q, K, V, O, REM, DECAY, THETA, QPOS, KPOS,
+                   sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
+                   sqpb, sqps, skpb, skps,
+                   Hq, GROUP, S, scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_H: tl.constexpr, HAS_DECAY: tl.constexpr, ROPE: tl.constexpr,
+                   ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(S, BLOCK_M), Hq, B). Writes O [B, S, Hq, D] and REM [B, Hq, S] fp32."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    hk = (h // GROUP).to(tl.int64)
+    CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
+    CHECK_H: tl.constexpr = BLOCK_H != HALF
+
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = rows < S
+    d_ok = offs_d < HEAD_DIM
+
+    if ROPE:
+        offs_h = tl.arange(0, BLOCK_H)
+        h_ok = offs_h < HALF
+        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
+        q, q2 = _load_rotated(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, theta, offs_h,
+                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
+        kp_base = KPOS + b * skpb
+    else:
+        q = _load_2d(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True, CHECK_D)
+        q2 = q  # unused placeholders
+        offs_h = offs_d
+        h_ok = d_ok
+        theta = scale
+        kp_base = KPOS
+    lam = 0.0
+    if HAS_DECAY:
+        lam = tl.load(DECAY + h)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    c = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Keys j < i <= m_last: blocks [0, n_hi). Blocks [0, n_left) lie strictly left of row m0.
+    m_last = tl.minimum(m0 + BLOCK_M, S) - 1
+    n_hi = tl.cdiv(m_last, BLOCK_N)
+    n_left = tl.minimum(m0 // BLOCK_N, n_hi)
+    acc, c = _fwd_inner(acc, c, q, q2, k_base, v_base, kp_base, sks, skd, svs, svd, skps, theta, lam, rows, m_last,
+                        offs_n, offs_d, offs_h, d_ok, h_ok, S, scale, n_hi, n_hi - n_left, BLOCK_N, HALF, CHECK_D,
+                        CHECK_H, True, HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION)
+    acc, c = _fwd_inner(acc, c, q, q2, k_base, v_base, kp_base, sks, skd, svs, svd, skps, theta, lam, rows, m_last,
+                        offs_n, offs_d, offs_h, d_ok, h_ok, S, scale, n_left, n_left, BLOCK_N, HALF, CHECK_D,
+                        CHECK_H, False, HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION)
+
+    tl.store(O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :] * sod, acc.to(O.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(REM + (b * Hq + h) * S + rows, tl.exp(-c), mask=m_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dQ (one program per query tile, head, batch row); writes the boundary sums
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _dq_prepass(c, q, q2, k_base, kp_base, cb_base, sks, skd, skp_s, theta, lam, rows, m_ok, offs_n, offs_d, offs_h,
+                d_ok, h_ok, S, s64, scale, blk_top, n_blk,
+                BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
+                DIAG: tl.constexpr, HAS_DECAY: tl.constexpr, ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Pass 1, key blocks blk_top - 1 down to blk_top - n_blk (as the forward walks): store the sum
+    of softplus over the keys right of each block, CB[blk, rows] = c, then add the block."""
+    for t in range(0, n_blk):
+        blk = blk_top - 1 - t
+        cols = blk * BLOCK_N + offs_n
+        n_ok = cols < S
+        if ROPE:
+            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                    DIAG, CHECK_H, ROPE_INTERLEAVED, True)
+            qk = tl.dot(q, kT, input_precision=PRECISION)
+            qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
+        else:
+            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
+            qk = tl.dot(q, kT, input_precision=PRECISION)
+        z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY)
+        sp, _ = _softplus_logsigmoid(z)
+        if DIAG:
+            sp = tl.where(cols[None, :] < rows[:, None], sp, 0.0)
+        tl.store(cb_base + blk * s64 + rows, c, mask=m_ok)
+        c = c + tl.sum(sp, axis=1)
+    return c
+
+
+@triton.jit
+def _dq_inner(dq, dq2, ddec, p_run, q, q2, do, k_base, v_base, kp_base, cb_base, pb_base, sks, skd, svs, svd, skp_s,
+              theta, lam, rows, m_ok, m_last, offs_n, offs_d, offs_h, d_ok, h_ok, S, s64, scale, blk_lo, blk_hi,
+              BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
+              DIAG: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr, ROPE: tl.constexpr,
+              ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass 2, key blocks blk_lo .. blk_hi - 1 left to right. p_run: the prefix sum of g over the
+    keys left of the block plus drem * rem (stored as PB[blk, rows] for the dK/dV kernel).
+    With ROPE, (q, q2) and (dq, dq2) are the pair halves (rotated q; gradient w.r.t. it)."""
+    for blk in range(blk_lo, blk_hi):
+        cols = blk * BLOCK_N + offs_n
+        n_ok = cols < S
+        if ROPE:
+            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                    DIAG, CHECK_H, ROPE_INTERLEAVED, True)
+            qk = tl.dot(q, kT, input_precision=PRECISION)
+            qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
+        else:
+            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
+            qk = tl.dot(q, kT, input_precision=PRECISION)
+        vT = _load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, DIAG)
+        c = tl.load(cb_base + blk * s64 + rows, mask=m_ok, other=0.0)
+        z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY)
+        sp, log_beta = _softplus_logsigmoid(z)
+        if DIAG:
+            valid = cols[None, :] < rows[:, None]
+            sp = tl.where(valid, sp, 0.0)
+        suffix = tl.cumsum(sp, axis=1, reverse=True) - sp
+        a = tl.exp(log_beta - c[:, None] - suffix)
+        da = tl.dot(do, vT, input_precision=PRECISION)  # dO_i . v_j
+        g = a * da
+        if DIAG:
+            g = tl.where(valid, g, 0.0)
+        prefix = p_run[:, None] + tl.cumsum(g, axis=1)  # sum_{m <= j} g_im + drem_i rem_i
+        dz = g - tl.exp(log_beta) * prefix
+        if DIAG:
+            dz = tl.where(valid, dz, 0.0)
+            col_ok = cols < m_last  # keys no row of the tile sees: keep 0 * NaN out of dQ
+            kT = tl.where(col_ok[None, :], kT, 0.0)
+            if ROPE:
+                kT2 = tl.where(col_ok[None, :], kT2, 0.0)
+        tl.store(pb_base + blk * s64 + rows, p_run, mask=m_ok)
+        dq = tl.dot(dz.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
+        if ROPE:
+            dq2 = tl.dot(dz.to(kT.dtype), tl.trans(kT2), dq2, input_precision=PRECISION)
+        if DECAY_GRAD:
+            ddec += tl.sum(dz * (cols[None, :] - rows[:, None]).to(tl.float32), axis=1)  # dz/dlambda = -(i - j)
+        p_run = p_run + tl.sum(g, axis=1)
+    return dq, dq2, ddec, p_run
+
+
+@triton.jit
+def _sb_bwd_dq_kernel(Q, K, V, DO, P0, DQ, DDEC, CB, PB, DECAY, THETA, QPOS, KPOS,
+                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                      sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd, sqpb, sqps, skpb, skps,
+                      Hq, GROUP, S, NKB, scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_H: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr,
+                      HAS_P0: tl.constexpr, ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """grid (cdiv(S, BLOCK_M), Hq, B). Writes DQ, DDEC [B, Hq, S] (if DECAY_GRAD) and the boundary
+    sums CB, PB [B, Hq, NKB, S] of every key block the tile visits. P0 [B, Hq, S]: drem * rem."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    hk = (h // GROUP).to(tl.int64)
+    CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
+    CHECK_H: tl.constexpr = BLOCK_H != HALF
+
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = rows < S
+    d_ok = offs_d < HEAD_DIM
+
+    if ROPE:
+        offs_h = tl.arange(0, BLOCK_H)
+        h_ok = offs_h < HALF
+        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
+        q, q2 = _load_rotated(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, theta, offs_h,
+                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
+        kp_base = KPOS + b * skpb
+        dq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    else:
+        q = _load_2d(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True, CHECK_D)
+        q2 = q  # unused placeholders
+        offs_h = offs_d
+        h_ok = d_ok
+        theta = scale
+        kp_base = KPOS
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq2 = dq  # unused placeholder
+    do = _load_2d(DO + b * sdob + h * sdoh + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True, CHECK_D)
+    bh = b * Hq + h
+    lam = 0.0
+    if HAS_DECAY:
+        lam = tl.load(DECAY + h)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    cb_base = CB + bh * NKB * S
+    pb_base = PB + bh * NKB * S
+    s64 = b * 0 + S  # int64: the key block offsets blk * S into CB, PB
+
+    m_last = tl.minimum(m0 + BLOCK_M, S) - 1
+    n_hi = tl.cdiv(m_last, BLOCK_N)  # key blocks [0, n_hi) hold keys j < i for some row of the tile
+    n_left = tl.minimum(m0 // BLOCK_N, n_hi)  # [0, n_left): every key before every row
+    # Pass 1 (right to left): softplus sums right of each key block -> CB.
+    c = tl.zeros([BLOCK_M], dtype=tl.float32)
+    c = _dq_prepass(c, q, q2, k_base, kp_base, cb_base, sks, skd, skps, theta, lam, rows, m_ok, offs_n, offs_d,
+                    offs_h, d_ok, h_ok, S, s64, scale, n_hi, n_hi - n_left, BLOCK_N, HALF, CHECK_D, CHECK_H, True,
+                    HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION)
+    c = _dq_prepass(c, q, q2, k_base, kp_base, cb_base, sks, skd, skps, theta, lam, rows, m_ok, offs_n, offs_d,
+                    offs_h, d_ok, h_ok, S, s64, scale, n_left, n_left, BLOCK_N, HALF, CHECK_D, CHECK_H, False,
+                    HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION)
+    tl.debug_barrier()  # pass 2 reads CB rows that other threads of the program wrote
+    # Pass 2 (left to right): gradients, with the prefix sums of g running from the left.
+    if HAS_P0:
+        p_run = tl.load(P0 + bh * S + rows, mask=m_ok, other=0.0)
+    else:
+        p_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ddec = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dq, dq2, ddec, p_run = _dq_inner(dq, dq2, ddec, p_run, q, q2, do, k_base, v_base, kp_base, cb_base, pb_base, sks,
+                                     skd, svs, svd, skps, theta, lam, rows, m_ok, m_last, offs_n, offs_d, offs_h, d_ok,
+                                     h_ok, S, s64, scale, 0, n_left, BLOCK_N, HALF, CHECK_D, CHECK_H, False,
+                                     HAS_DECAY, DECAY_GRAD, ROPE, ROPE_INTERLEAVED, PRECISION)
+    dq, dq2, ddec, p_run = _dq_inner(dq, dq2, ddec, p_run, q, q2, do, k_base, v_base, kp_base, cb_base, pb_base, sks,
+                                     skd, svs, svd, skps, theta, lam, rows, m_ok, m_last, offs_n, offs_d, offs_h, d_ok,
+                                     h_ok, S, s64, scale, n_left, n_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True,
+                                     HAS_DECAY, DECAY_GRAD, ROPE, ROPE_INTERLEAVED, PRECISION)
+    if ROPE:
+        _store_unrotated(DQ + b * sdqb + h * sdqh, rows, m_ok, sdqs, sdqd, dq * scale, dq2 * scale,
+                         QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
+    else:
+        dq = dq * scale
+        tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :] * sdqd,
+                 dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    if DECAY_GRAD:
+        tl.store(DDEC + bh * S + rows, ddec, mask=m_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dK/dV (one program per key block and kv head; loops over the GQA group's q heads)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_base, sqs, sqd, sdos, sdod, sqp_s,
+                theta, lam, n0, cols, offs_m, offs_d, offs_h, d_ok, h_ok, S, scale, blk_lo, blk_hi,
+                BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
+                MASKED: tl.constexpr, HAS_DECAY: tl.constexpr, ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Query tiles blk_lo .. blk_hi - 1. Tiles are transposed ([keys, rows]) so that dK, dV
+    accumulate as [BLOCK_N, D]; the sums along the keys run over axis 0. MASKED: the element mask
+    j < i and the bounds checks on the rows (diagonal tiles, the ragged end); otherwise every row
+    of the tile is in range and follows every key of the block. With ROPE, (k, k2) and (dk, dk2)
+    are the pair halves."""
+    for blk in range(blk_lo, blk_hi):
+        rows = blk * BLOCK_M + offs_m
+        m_ok = rows < S
+        if ROPE:
+            qT, qT2 = _load_rotated(q_base, rows, m_ok, sqs, sqd, qp_base, sqp_s, theta, offs_h, h_ok, HALF,
+                                    MASKED, CHECK_H, ROPE_INTERLEAVED, True)
+            qk = tl.dot(k, qT, input_precision=PRECISION)
+            qk = tl.dot(k2, qT2, qk, input_precision=PRECISION)
+        else:
+            qT = _load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, MASKED)
+            qk = tl.dot(k, qT, input_precision=PRECISION)
+        do = _load_2d(do_base + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, MASKED, CHECK_D)
+        if MASKED:
+            seen = m_ok & (rows > n0)  # rows with a key in this block: the dQ kernel wrote their sums
+            c = tl.load(cb_base + rows, mask=seen, other=0.0)
+            p0 = tl.load(pb_base + rows, mask=seen, other=0.0)
+        else:
+            c = tl.load(cb_base + rows)
+            p0 = tl.load(pb_base + rows)
+        zT = _logits(qk, scale, lam, rows[None, :], cols[:, None], HAS_DECAY)
+        spT, log_betaT = _softplus_logsigmoid(zT)
+        if MASKED:
+            validT = (cols[:, None] < rows[None, :]) & m_ok[None, :]
+            spT = tl.where(validT, spT, 0.0)
+        suffixT = tl.cumsum(spT, axis=0, reverse=True) - spT
+        aT = tl.exp(log_betaT - c[None, :] - suffixT)
+        daT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        gT = aT * daT
+        if MASKED:
+            aT = tl.where(validT, aT, 0.0)
+            gT = tl.where(validT, gT, 0.0)
+        prefixT = p0[None, :] + tl.cumsum(gT, axis=0)
+        dzT = gT - tl.exp(log_betaT) * prefixT
+        q = tl.trans(qT)
+        if ROPE:
+            q2 = tl.trans(qT2)
+        if MASKED:
+            dzT = tl.where(validT, dzT, 0.0)
+            q = tl.where(seen[:, None], q, 0.0)  # rows with no key here (row 0): keep 0 * NaN out of dK
+            if ROPE:
+                q2 = tl.where(seen[:, None], q2, 0.0)
+        dv = tl.dot(aT.to(do.dtype), do, dv, input_precision=PRECISION)
+        dk = tl.dot(dzT.to(q.dtype), q, dk, input_precision=PRECISION)
+        if ROPE:
+            dk2 = tl.dot(dzT.to(q.dtype), q2, dk2, input_precision=PRECISION)
+    return dk, dk2, dv
+
+
+@triton.jit
+def _sb_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, CB, PB, DECAY, THETA, QPOS, KPOS,
+                        sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                        sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
+                        sqpb, sqps, skpb, skps,
+                        Hq, GROUP, S, NKB, scale,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, HAS_DECAY: tl.constexpr, ROPE: tl.constexpr,
+                        ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(S, BLOCK_N), Hkv, B). dK, dV of one key block summed over the GQA group in a
+    fixed order (deterministic, no atomics). BLOCK_N must be the dQ kernel's key block."""
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
+    CHECK_H: tl.constexpr = BLOCK_H != HALF
+
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = cols < S
+    d_ok = offs_d < HEAD_DIM
+
+    if ROPE:
+        offs_h = tl.arange(0, BLOCK_H)
+        h_ok = offs_h < HALF
+        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
+        k, k2 = _load_rotated(K + b * skb + hk * skh, cols, n_ok, sks, skd, KPOS + b * skpb, skps, theta, offs_h,
+                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
+        qp_base = QPOS + b * sqpb
+        dk = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+        dk2 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    else:
+        k = _load_2d(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd, n_ok, d_ok, True, CHECK_D)
+        k2 = k  # unused placeholders
+        offs_h = offs_d
+        h_ok = d_ok
+        theta = scale
+        qp_base = QPOS
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dk2 = dk  # unused placeholder
+    v = _load_2d(V + b * svb + hk * svh + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True, CHECK_D)
+    # key S - 1 is seen by no row: keep whatever it holds out of the products
+    seen_k = cols < S - 1
+    k = tl.where(seen_k[:, None], k, 0.0)
+    if ROPE:
+        k2 = tl.where(seen_k[:, None], k2, 0.0)
+    v = tl.where(seen_k[:, None], v, 0.0)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query tiles with a row i > n0: [q_lo, q_hi). From q_int on, every row is >= n0 + BLOCK_N (after
+    # every column of the block, padding included); [q_int, q_full) are full tiles (no checks).
+    q_hi = tl.cdiv(S, BLOCK_M)
+    q_lo = tl.minimum((n0 + 1) // BLOCK_M, q_hi)
+    q_int = tl.maximum(tl.minimum(tl.cdiv(n0 + BLOCK_N, BLOCK_M), q_hi), q_lo)
+    q_full = tl.maximum(tl.minimum(S // BLOCK_M, q_hi), q_int)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * Hq + h
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdob + h * sdoh
+        cb_base = CB + (bh * NKB + pid_n) * S
+        pb_base = PB + (bh * NKB + pid_n) * S
+        lam = 0.0
+        if HAS_DECAY:
+            lam = tl.load(DECAY + h)
+        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_base, sqs, sqd, sdos,
+                                  sdod, sqps, theta, lam, n0, cols, offs_m, offs_d, offs_h, d_ok, h_ok, S, scale,
+                                  q_lo, q_int, BLOCK_M, HALF, CHECK_D, CHECK_H, True, HAS_DECAY, ROPE,
+                                  ROPE_INTERLEAVED, PRECISION)
+        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_base, sqs, sqd, sdos,
+                                  sdod, sqps, theta, lam, n0, cols, offs_m, offs_d, offs_h, d_ok, h_ok, S, scale,
+                                  q_int, q_full, BLOCK_M, HALF, CHECK_D, CHECK_H, False, HAS_DECAY, ROPE,
+                                  ROPE_INTERLEAVED, PRECISION)
+        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_base, sqs, sqd, sdos,
+                                  sdod, sqps, theta, lam, n0, cols, offs_m, offs_d, offs_h, d_ok, h_ok, S, scale,
+                                  q_full, q_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, True, HAS_DECAY, ROPE,
+                                  ROPE_INTERLEAVED, PRECISION)
+
+    mask = n_ok[:, None] & d_ok[None, :]
+    if ROPE:
+        _store_unrotated(DK + b * sdkb + hk * sdkh, cols, n_ok, sdks, sdkd, dk * scale, dk2 * scale,
+                         KPOS + b * skpb, skps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
+    else:
+        dk = dk * scale
+        tl.store(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :] * sdkd,
+                 dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + b * sdvb + hk * sdvh + cols[:, None] * sdvs + offs_d[None, :] * sdvd,
+             dv.to(DV.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch wrappers
+# ----------------------------------------------------------------------------------------------
+def _config(q: torch.Tensor, config):
+    return config or default_config(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
+
+
+def _decay_args(decay, q):
+    """(DECAY pointer, HAS_DECAY): decay is None or a contiguous fp32 [Hq] tensor."""
+    if decay is None:
+        return q, False  # never read
+    return decay, True
+
+
+def forward(q, k, v, *, scale: float, decay=None, rope=None, q_pos=None, kv_pos=None,
+            config: StickBreakingConfig | None = None):
+    """q [B, S, Hq, D], k/v [B, S, Hkv, D] -> (out [B, S, Hq, D] in q.dtype, rem [B, Hq, S] fp32).
+
+    decay: None or a contiguous fp32 tensor [Hq] (lambda per head). rope: a `torch_ref.Rope` or
+    None; with it q_pos, kv_pos [B, S] are the integer positions. Inputs are assumed validated
+    (see torch_ref.stick_breaking).
+    """
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    cfg = _config(q, config)
+    out = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
+    rem = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, rem.fill_(1.0)
+    decay_ptr, has_decay = _decay_args(decay, q)
+    rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q_pos, kv_pos, q)
+    grid = (triton.cdiv(S, cfg.block_m), Hq, B)
+    with _device_ctx(q):
+        _sb_fwd_kernel[grid](
+            q, k, v, out, rem, decay_ptr, *rope_ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *rope_strides,
+            Hq, Hq // Hkv, S, scale,
+            HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, HAS_DECAY=has_decay,
+            PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **rope_flags)
+    return out, rem
+
+
+def backward(do, q, k, v, rem, *, scale: float, drem=None, decay=None, decay_grad: bool = False, rope=None,
+             q_pos=None, kv_pos=None, config: StickBreakingConfig | None = None):
+    """Gradients (dq, dk, dv, ddecay_rows) from dO [B, S, Hq, D], the forward's rem and optionally
+    the cotangent drem [B, Hq, S] of rem (the forward's out is not needed).
+
+    ddecay_rows [B, Hq, S] fp32 (None unless decay_grad): row i's share of d lambda_h; the
+    gradient of lambda is its sum over b and i (and over the heads for a scalar lambda).
+    """
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    cfg = _config(q, config)
+    dq = torch.empty((B, S, Hq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, S, Hkv, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, S, Hkv, D), dtype=v.dtype, device=v.device)
+    ddec = torch.zeros((B, Hq, S), dtype=torch.float32, device=q.device) if decay_grad else None
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), ddec
+    # the prefix sums of g start at drem_i * rem_i (d rem_i / d z_ij = -rem_i sigma_ij)
+    p0 = None if drem is None else (drem.float() * rem).contiguous()
+    nkb = triton.cdiv(S, cfg.bwd_block_n)
+    # Running sums at the key-block boundaries, written by the dQ kernel, read by the dK/dV kernel
+    # (only entries the dQ kernel wrote are read: empty is enough).
+    cb = torch.empty((B, Hq, nkb, S), dtype=torch.float32, device=q.device)
+    pb = torch.empty((B, Hq, nkb, S), dtype=torch.float32, device=q.device)
+    decay_ptr, has_decay = _decay_args(decay, q)
+    rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q_pos, kv_pos, q)
+    common = dict(HEAD_DIM=D, BLOCK_N=cfg.bwd_block_n, BLOCK_D=cfg.block_d, HAS_DECAY=has_decay,
+                  PRECISION=_precision(q.dtype), num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+                  **rope_flags)
+    with _device_ctx(q):
+        _sb_bwd_dq_kernel[(triton.cdiv(S, cfg.dq_block_m), Hq, B)](
+            q, k, v, do, rem if p0 is None else p0, dq, ddec if decay_grad else rem, cb, pb, decay_ptr,
+            *rope_ptrs, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *rope_strides,
+            Hq, Hq // Hkv, S, nkb, scale, BLOCK_M=cfg.dq_block_m, DECAY_GRAD=bool(decay_grad),
+            HAS_P0=p0 is not None, **common)
+        _sb_bwd_dkdv_kernel[(nkb, Hkv, B)](
+            q, k, v, do, dk, dv, cb, pb, decay_ptr, *rope_ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *rope_strides,
+            Hq, Hq // Hkv, S, nkb, scale, BLOCK_M=cfg.dkdv_block_m, **common)
+    return dq, dk, dv, ddec
