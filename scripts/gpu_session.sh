@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One script for a lent GPU (no network, packages preinstalled): GPU tests, the parity check and
-# the benchmarks, logs under $OUT. Usage: bash scripts/gpu_session.sh [warn|tests|parity|rope|sb|bench|all]...
+# the benchmarks, logs under $OUT. Usage: bash scripts/gpu_session.sh [warn|tests|parity|rope|sb|sweep|bench|all]...
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -42,6 +42,9 @@ if has rope; then
 fi
 if has sb; then
   timeout 300 python3 benchmarks/stick_breaking.py --out "$OUT" 2>&1 | tee "$OUT/sb-log.txt" | tail -16
+fi
+if has sweep; then
+  timeout ${SWEEP_TIMEOUT:-400} python3 benchmarks/sweep_blocks.py --out "$OUT" 2>&1 | tee "$OUT/sweep-log.txt" | grep BEST
 fi
 if has bench; then
   timeout 480 python3 benchmarks/attention.py --out "$OUT" 2>&1 | tee "$OUT/bench-log.txt" | tail -40
