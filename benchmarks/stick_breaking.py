@@ -28,7 +28,14 @@ import jax  # noqa: E402  (benchmarks.attention configured the allocator before 
 import jax.numpy as jnp  # noqa: E402
 
 import jax_attn  # noqa: E402
-from jax_attn import Rope, flash_attention, stick_breaking_attention  # noqa: E402
+from jax_attn import Rope, StickBreakingBlocks, flash_attention, stick_breaking_attention  # noqa: E402
+from jax_attn.spec import AttentionSpec  # noqa: E402
+from jax_attn.stick_breaking_pallas import stick_breaking_pallas  # noqa: E402
+
+SWEEP = [  # block_q, block_k, block_q_dkv, num_warps, num_stages (--sweep)
+    (64, 64, 64, 4, 2), (64, 64, 64, 4, 3), (64, 64, 64, 8, 2), (128, 64, 64, 8, 2), (64, 32, 64, 4, 2),
+    (32, 64, 32, 4, 2), (128, 32, 128, 8, 2),
+]
 
 
 def candidates(heads: int):
@@ -76,6 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--target-ms", type=float, default=30.0)
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernels' tile grid SWEEP")
     args = parser.parse_args(argv)
     B, S, H, D = (int(x) for x in args.shape.split(","))
     name, kind, _ = device_info(False)
@@ -113,6 +121,15 @@ def main(argv=None) -> int:
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
                 log(f"torch_sb {mode} error {row['error'][:160]}")
             rows.append(row)
+
+    if args.sweep:
+        decay = jnp.full((H,), 0.01, jnp.float32)
+        spec = AttentionSpec(scale=D ** -0.5, causal=True)
+        for cfg in SWEEP:
+            blocks = StickBreakingBlocks(*cfg)
+            f = lambda q, k, v, blocks=blocks: stick_breaking_pallas(q, k, v, decay, spec, blocks=blocks)[0]
+            for mode in ("fwd", "fwdbwd"):
+                bench(f"sweep{cfg}", f, S, mode)
 
     ms = {(r["impl"], r["mode"], r["S"]): r.get("ms") for r in rows}
     print("\n| mode | softmax ms | sb ms | sb+rope ms | torch_sb ms | sb TF/s / softmax TF/s "

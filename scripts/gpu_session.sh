@@ -41,7 +41,7 @@ if has rope; then
   timeout 300 python3 benchmarks/rope.py --out "$OUT" 2>&1 | tee "$OUT/rope-log.txt" | tail -12
 fi
 if has sb; then
-  timeout 300 python3 benchmarks/stick_breaking.py --out "$OUT" 2>&1 | tee "$OUT/sb-log.txt" | tail -16
+  timeout 420 python3 benchmarks/stick_breaking.py --out "$OUT" ${SB_ARGS:-} 2>&1 | tee "$OUT/sb-log.txt" | tail -16
 fi
 if has sweep; then
   timeout ${SWEEP_TIMEOUT:-400} python3 benchmarks/sweep_blocks.py --out "$OUT" 2>&1 | tee "$OUT/sweep-log.txt" | grep BEST
