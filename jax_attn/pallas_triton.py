@@ -141,10 +141,11 @@ def _store_parts(ref, parts, spec, head_dim):
         ref[:, c] = x.astype(ref.dtype)
 
 
-def _rope_cos_sin(pos, inv_freq):
-    """cos, sin of pos * theta, [rows, D/2] fp32 (theta passed in, as the reference computes it)."""
-    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angle), jnp.sin(angle)
+def _rope_cos_sin(table_ref, rows=slice(None)):
+    """cos, sin [rows, D/2] fp32 of one side's RoPE table [2, S, D/2] (`rope_tables`). Loaded, not
+    computed: in-kernel sin/cos of angles up to S radians take the slow range-reduction path, and
+    a key tile would recompute them for every query block."""
+    return table_ref[0, rows, :], table_ref[1, rows, :]
 
 
 def _rotate(parts, cos_sin, dtype, *, inverse=False):
@@ -193,10 +194,10 @@ def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
     return jax.lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
-# Per-token side inputs (segment ids, RoPE positions) travel as one int32 array per side,
-# [B, fields, S], so each kernel gets one ref per side whatever is switched on.
+# Per-token side inputs: segment ids as one int32 array per side, [B, fields, S] (one ref per side
+# whatever is switched on), and with RoPE one cos/sin table per side, [B, 2, S, D/2] fp32.
 def _info_fields(spec: AttentionSpec) -> tuple[str, ...]:
-    return ("seg",) * spec.has_segments + ("pos",) * (spec.rope is not None)
+    return ("seg",) * spec.has_segments
 
 
 class _Side:
@@ -212,25 +213,43 @@ class _Side:
 
 
 def _unpack(refs, spec):
-    """(q side, kv side, inv_freq ref or None, remaining refs) from a kernel's trailing refs."""
+    """(q side, kv side, (q table ref, kv table ref) or None, remaining refs) from a kernel's
+    trailing refs."""
     refs = list(refs)
     has_info = bool(_info_fields(spec))
     q_info = _Side(refs.pop(0), spec) if has_info else _Side(None, spec)
     kv_info = _Side(refs.pop(0), spec) if has_info else _Side(None, spec)
-    inv_freq = refs.pop(0)[...] if spec.rope is not None else None
-    return q_info, kv_info, inv_freq, refs
+    tables = (refs.pop(0), refs.pop(0)) if spec.rope is not None else None
+    return q_info, kv_info, tables, refs
 
 
-def _side_specs_and_args(q_info, kv_info, inv_freq, q_spec, kv_spec):
-    """BlockSpecs and args for the optional side inputs, in the order `_unpack` reads them."""
+def _side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block):
+    """BlockSpecs and args of the optional side inputs, in the order `_unpack` reads them.
+
+    side = (q_info, kv_info, q_table, kv_table) (None where absent); q_rows / kv_rows: rows per
+    block; q_block / kv_block map the grid ids to the block index along the sequence (the batch is
+    always grid axis 1)."""
+    q_info, kv_info, q_table, kv_table = side
     specs, args = [], []
     if q_info is not None:
-        specs += [q_spec, kv_spec]
+        fields = q_info.shape[1]
+        specs += [pl.BlockSpec((None, fields, q_rows), lambda *g: (g[1], 0, q_block(*g))),
+                  pl.BlockSpec((None, fields, kv_rows), lambda *g: (g[1], 0, kv_block(*g)))]
         args += [q_info, kv_info]
-    if inv_freq is not None:
-        specs.append(pl.BlockSpec(inv_freq.shape, lambda *_: (0,)))
-        args.append(inv_freq)
+    if q_table is not None:
+        half = q_table.shape[-1]
+        specs += [pl.BlockSpec((None, 2, q_rows, half), lambda *g: (g[1], 0, q_block(*g), 0)),
+                  pl.BlockSpec((None, 2, kv_rows, half), lambda *g: (g[1], 0, kv_block(*g), 0))]
+        args += [q_table, kv_table]
     return specs, args
+
+
+def rope_tables(pos, rope, head_dim: int, head_pad: int, length: int):
+    """cos, sin of pos * theta as [B, 2, length, head_pad / 2] fp32 (the angle computed as the
+    reference computes it; theta zero on padded pairs; positions edge-padded to `length`)."""
+    inv_freq = _pad_axis(inverse_frequencies(head_dim, rope.base), 0, head_pad // 2)
+    angle = _pad_axis(pos, 1, length, mode="edge").astype(jnp.float32)[:, :, None] * inv_freq
+    return jnp.stack([jnp.cos(angle), jnp.sin(angle)], axis=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,11 +259,11 @@ def _side_specs_and_args(q_info, kv_info, inv_freq, q_spec, kv_spec):
 
 def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     spec = st.spec
-    q_info, kv_info, inv_freq, (o_ref, lse_ref, m2_ref, inv_l_ref) = _unpack(refs, spec)
+    q_info, kv_info, tables, (o_ref, lse_ref, m2_ref, inv_l_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     rope = spec.rope is not None
-    q_cs = _rope_cos_sin(q_info.get("pos"), inv_freq) if rope else None
+    q_cs = _rope_cos_sin(tables[0]) if rope else None
     q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
     q_seg = q_info.get("seg")
@@ -254,7 +273,7 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         m, l, acc = carry
         start = pl.multiple_of(j * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k_cs = _rope_cos_sin(kv_info.get("pos", tile), inv_freq) if rope else None
+        k_cs = _rope_cos_sin(tables[1], tile) if rope else None
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         s, _ = _scores(q, k, spec)
@@ -288,17 +307,13 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     inv_l_ref[...] = jnp.where(empty, 0.0, inv_l)
 
 
-def _fwd_call(st: _Static, q, k, v, q_info, kv_info, inv_freq, ranges):
+def _fwd_call(st: _Static, q, k, v, side, ranges):
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     bq = st.blocks.block_q
     rb = ranges.shape[0]  # 1 (static ranges, broadcast) or batch (segment ids)
-    fields = len(_info_fields(st.spec))
-    side_specs, side_args = _side_specs_and_args(
-        q_info, kv_info, inv_freq,
-        pl.BlockSpec((None, fields, bq), lambda i, b, h: (b, 0, i)),
-        pl.BlockSpec((None, fields, kv_pad), lambda i, b, h: (b, 0, 0)))
+    side_specs, side_args = _side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0)
     in_specs = [
         pl.BlockSpec((None, None, 4), lambda i, b, h: (b if rb > 1 else 0, i, 0)),
         pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
@@ -332,12 +347,12 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
                  st: _Static):
     """One program per (key block, batch, kv head); loops over the group's query heads."""
     spec = st.spec
-    q_info, kv_info, inv_freq, (dk_ref, dv_ref) = _unpack(refs, spec)
+    q_info, kv_info, tables, (dk_ref, dv_ref) = _unpack(refs, spec)
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
     rope = spec.rope is not None
-    k_cs = _rope_cos_sin(kv_info.get("pos"), inv_freq) if rope else None
+    k_cs = _rope_cos_sin(tables[1]) if rope else None
     k = _rotate(_load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
     v = v_ref[...]
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
@@ -351,7 +366,7 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
         i, g = step // group, step % group
         start = pl.multiple_of(i * block_q, block_q)
         tile = pl.ds(start, block_q)
-        q_cs = _rope_cos_sin(q_info.get("pos", tile), inv_freq) if rope else None
+        q_cs = _rope_cos_sin(tables[0], tile) if rope else None
         q = _rotate(_load_parts(q_ref, (tile, g), spec, head_dim), q_cs, q_ref.dtype)
         do = do_ref[tile, g, :]
         m2 = m2_ref[g, tile]
@@ -387,11 +402,11 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
                st: _Static):
     """One program per (query block, batch, query head); loops over its visible key blocks."""
     spec = st.spec
-    q_info, kv_info, inv_freq, (dq_ref,) = _unpack(refs, spec)
+    q_info, kv_info, tables, (dq_ref,) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k_dq
     rope = spec.rope is not None
-    q_cs = _rope_cos_sin(q_info.get("pos"), inv_freq) if rope else None
+    q_cs = _rope_cos_sin(tables[0]) if rope else None
     q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
     do = do_ref[...]
     m2 = m2_ref[...][:, None]
@@ -404,7 +419,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     def body(j, dq, masked):
         start = pl.multiple_of(j * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k_cs = _rope_cos_sin(kv_info.get("pos", tile), inv_freq) if rope else None
+        k_cs = _rope_cos_sin(tables[1], tile) if rope else None
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         s, t = _scores(q, k, spec)
@@ -429,14 +444,13 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     _store_parts(dq_ref, tuple(x * spec.scale for x in dq), spec, head_dim)
 
 
-def _bwd_call(st: _Static, q, k, v, q_info, kv_info, inv_freq, dq_ranges, dkdv_ranges,
+def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
               do, m2, inv_l, delta):
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     blocks = st.blocks
     params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
-    fields = len(_info_fields(st.spec))
 
     # dK/dV: query-side arrays viewed per kv head, [B, S, Hkv, G, D] and [B, Hkv, G, S].
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
@@ -444,10 +458,7 @@ def _bwd_call(st: _Static, q, k, v, q_info, kv_info, inv_freq, dq_ranges, dkdv_r
     q_group_spec = pl.BlockSpec((None, q_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
     row_group_spec = pl.BlockSpec((None, None, group, q_pad), lambda j, b, h: (b, h, 0, 0))
     kv_block_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
-    side_specs, side_args = _side_specs_and_args(
-        q_info, kv_info, inv_freq,
-        pl.BlockSpec((None, fields, q_pad), lambda j, b, h: (b, 0, 0)),
-        pl.BlockSpec((None, fields, bk), lambda j, b, h: (b, 0, j)))
+    side_specs, side_args = _side_specs_and_args(side, q_pad, lambda *_: 0, bk, lambda j, b, h: j)
     in_specs = [pl.BlockSpec((None, None, 4), lambda j, b, h: (b if rb > 1 else 0, j, 0)),
                 q_group_spec, kv_block_spec, kv_block_spec, q_group_spec,
                 row_group_spec, row_group_spec, row_group_spec, *side_specs]
@@ -469,10 +480,7 @@ def _bwd_call(st: _Static, q, k, v, q_info, kv_info, inv_freq, dq_ranges, dkdv_r
     q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
     kv_full_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    side_specs, side_args = _side_specs_and_args(
-        q_info, kv_info, inv_freq,
-        pl.BlockSpec((None, fields, bq), lambda i, b, h: (b, 0, i)),
-        pl.BlockSpec((None, fields, kv_pad), lambda i, b, h: (b, 0, 0)))
+    side_specs, side_args = _side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0)
     in_specs = [pl.BlockSpec((None, None, 4), lambda i, b, h: (b if rb > 1 else 0, i, 0)),
                 q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec,
                 row_spec, *side_specs]
@@ -494,12 +502,12 @@ def _bwd_call(st: _Static, q, k, v, q_info, kv_info, inv_freq, dq_ranges, dkdv_r
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse, _, _ = _fwd_call(st, q, k, v, *side, fwd_ranges)
+    out, lse, _, _ = _fwd_call(st, q, k, v, side, fwd_ranges)
     return out, lse
 
 
 def _flash_fwd(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse, m2, inv_l = _fwd_call(st, q, k, v, *side, fwd_ranges)
+    out, lse, m2, inv_l = _fwd_call(st, q, k, v, side, fwd_ranges)
     return (out, lse), (q, k, v, side, dq_ranges, dkdv_ranges, out, m2, inv_l)
 
 
@@ -508,7 +516,7 @@ def _flash_bwd(st, residuals, cotangents):
     do, dlse = cotangents
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     delta = delta - dlse
-    dq, dk, dv = _bwd_call(st, q, k, v, *side, dq_ranges, dkdv_ranges,
+    dq, dk, dv = _bwd_call(st, q, k, v, side, dq_ranges, dkdv_ranges,
                            do.astype(q.dtype), m2, inv_l, delta)
     return dq, dk, dv, None, None, None, None
 
@@ -533,9 +541,9 @@ def _pad_head_dim(x, spec: AttentionSpec, head_pad: int, rotated: bool):
     return _pad_axis(x, x.ndim - 1, head_pad)
 
 
-def _side_info(fields, length, seg, pos):
+def _side_info(fields, length, seg):
     """[B, fields, length] int32, edge-padded (keeps each block's id interval unchanged)."""
-    rows = [{"seg": seg, "pos": pos}[f].astype(jnp.int32) for f in fields]
+    rows = [{"seg": seg}[f].astype(jnp.int32) for f in fields]
     return _pad_axis(jnp.stack(rows, axis=1), 2, length, mode="edge")
 
 
@@ -567,14 +575,13 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, kv_pad)
 
     fields = _info_fields(spec)
-    side = (None, None, None)
+    side = [None] * 4
     if fields:
-        q_info = _side_info(fields, q_pad, q_seg, q_pos)
-        kv_info = _side_info(fields, kv_pad, kv_seg, kv_pos)
-        inv_freq = None
-        if spec.rope is not None:  # theta as the reference computes it, zero on padded pairs
-            inv_freq = _pad_axis(inverse_frequencies(head_dim, spec.rope.base), 0, head_pad // 2)
-        side = (q_info, kv_info, inv_freq)
+        side[:2] = _side_info(fields, q_pad, q_seg), _side_info(fields, kv_pad, kv_seg)
+    if spec.rope is not None:
+        side[2:] = (rope_tables(q_pos, spec.rope, head_dim, head_pad, q_pad),
+                    rope_tables(kv_pos, spec.rope, head_dim, head_pad, kv_pad))
+    side = tuple(side)
     if spec.has_segments:
         q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
         kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad, mode="edge")

@@ -32,9 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.pallas_triton import (
-    MIN_BLOCK, _dot, _info_fields, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least,
-    _rope_cos_sin, _rotate, _side_info, _side_specs_and_args, _store_parts, _unpack)
-from jax_attn.rope import inverse_frequencies
+    MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least, _rope_cos_sin, _rotate,
+    _side_specs_and_args, _store_parts, _unpack, rope_tables)
 from jax_attn.spec import AttentionSpec
 
 
@@ -143,12 +142,12 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool):
 
 def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: bool):
     spec = st.spec
-    q_info, kv_info, inv_freq, (o_ref, rem_ref, *c_ref) = _unpack(refs, spec)
+    _, _, tables, (o_ref, rem_ref, *c_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     rope = spec.rope is not None
     lam = decay_ref[pl.program_id(2)]
-    q_cs = _rope_cos_sin(q_info.get("pos"), inv_freq) if rope else None
+    q_cs = _rope_cos_sin(tables[0]) if rope else None
     q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
 
@@ -158,7 +157,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
             c_ref[0][block, :] = c
         start = pl.multiple_of(block * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k_cs = _rope_cos_sin(kv_info.get("pos", tile), inv_freq) if rope else None
+        k_cs = _rope_cos_sin(tables[1], tile) if rope else None
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
@@ -174,16 +173,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
     rem_ref[...] = jnp.exp(-c)
 
 
-def _fwd_call(st: _Static, q, k, v, decay, pos, inv_freq, *, save_sums: bool):
+def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
     """-> out, rem and, when save_sums, the softplus sums at the key-block boundaries."""
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     bq = st.blocks.block_q
-    side_specs, side_args = _side_specs_and_args(
-        pos, pos, inv_freq,
-        pl.BlockSpec((None, 1, bq), lambda i, b, h: (b, 0, i)),
-        pl.BlockSpec((None, 1, seq_pad), lambda i, b, h: (b, 0, 0)))
+    side_specs, side_args = _side_specs_and_args((None, None, table, table), bq, lambda i, b, h: i,
+                                                 seq_pad, lambda *_: 0)
     kv_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     sums_spec = pl.BlockSpec((None, None, seq_pad // st.blocks.block_k, bq), lambda i, b, h: (b, h, 0, i))
     sums = jax.ShapeDtypeStruct((batch, num_heads, seq_pad // st.blocks.block_k, seq_pad), jnp.float32)
@@ -211,12 +208,12 @@ def _fwd_call(st: _Static, q, k, v, decay, pos, inv_freq, *, save_sums: bool):
 def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st: _Static):
     """dQ and the per-row decay gradient; stores the g sums at every key-block boundary."""
     spec = st.spec
-    q_info, kv_info, inv_freq, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
+    _, _, tables, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     rope = spec.rope is not None
     lam = decay_ref[pl.program_id(2)]
-    q_cs = _rope_cos_sin(q_info.get("pos"), inv_freq) if rope else None
+    q_cs = _rope_cos_sin(tables[0]) if rope else None
     q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
     do = do_ref[...]
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
@@ -226,7 +223,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
         g_ref[block, :] = g_left
         start = pl.multiple_of(block * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k_cs = _rope_cos_sin(kv_info.get("pos", tile), inv_freq) if rope else None
+        k_cs = _rope_cos_sin(tables[1], tile) if rope else None
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
@@ -251,13 +248,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
 def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st: _Static):
     """One program per (key block, batch, kv head); loops over (query block, group head)."""
     spec = st.spec
-    q_info, kv_info, inv_freq, (dk_ref, dv_ref) = _unpack(refs, spec)
+    _, _, tables, (dk_ref, dv_ref) = _unpack(refs, spec)
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
     num_q_blocks = q_ref.shape[0] // block_q
     rope = spec.rope is not None
-    k_cs = _rope_cos_sin(kv_info.get("pos"), inv_freq) if rope else None
+    k_cs = _rope_cos_sin(tables[1]) if rope else None
     k = _rotate(_load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
     v = v_ref[...]
     first_col = pl.program_id(0) * block_k
@@ -269,7 +266,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st
         i, g = step // group, step % group
         start = pl.multiple_of(i * block_q, block_q)
         tile = pl.ds(start, block_q)
-        q_cs = _rope_cos_sin(q_info.get("pos", tile), inv_freq) if rope else None
+        q_cs = _rope_cos_sin(tables[0], tile) if rope else None
         q = _rotate(_load_parts(q_ref, (tile, g), spec, head_dim), q_cs, q_ref.dtype)
         do = do_ref[tile, g, :]
         lam = decay_ref[first_head + g]
@@ -296,7 +293,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _bwd_call(st: _Static, q, k, v, decay, pos, inv_freq, do, g0, c_sums):
+def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
     """g0 [B, H, S] = drem * rem; c_sums: the forward's softplus sums at key-block boundaries."""
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
@@ -312,10 +309,8 @@ def _bwd_call(st: _Static, q, k, v, decay, pos, inv_freq, do, g0, c_sums):
     kv_full_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     boundary_spec = pl.BlockSpec((None, None, num_k_blocks, bq), lambda i, b, h: (b, h, 0, i))
-    side_specs, side_args = _side_specs_and_args(
-        pos, pos, inv_freq,
-        pl.BlockSpec((None, 1, bq), lambda i, b, h: (b, 0, i)),
-        pl.BlockSpec((None, 1, seq_pad), lambda i, b, h: (b, 0, 0)))
+    side = (None, None, table, table)
+    side_specs, side_args = _side_specs_and_args(side, bq, lambda i, b, h: i, seq_pad, lambda *_: 0)
     boundary = jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32)
     dq, ddecay, g_sums = pl.pallas_call(
         functools.partial(_dq_kernel, st=st),
@@ -332,10 +327,7 @@ def _bwd_call(st: _Static, q, k, v, decay, pos, inv_freq, do, g0, c_sums):
     q_group_spec = pl.BlockSpec((None, seq_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
     boundary_group_spec = pl.BlockSpec((None, None, group, None, seq_pad), lambda j, b, h: (b, h, 0, j, 0))
     kv_block_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
-    side_specs, side_args = _side_specs_and_args(
-        pos, pos, inv_freq,
-        pl.BlockSpec((None, 1, seq_pad), lambda j, b, h: (b, 0, 0)),
-        pl.BlockSpec((None, 1, bk), lambda j, b, h: (b, 0, j)))
+    side_specs, side_args = _side_specs_and_args(side, seq_pad, lambda *_: 0, bk, lambda j, b, h: j)
     as_groups = lambda x: x.reshape(batch, seq_pad, num_kv_heads, group, head_dim)
     rows_as_groups = lambda x: x.reshape(batch, num_kv_heads, group, *x.shape[2:])
     dk, dv = pl.pallas_call(
@@ -357,19 +349,19 @@ def _bwd_call(st: _Static, q, k, v, decay, pos, inv_freq, do, g0, c_sums):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stick_breaking(st, q, k, v, decay, side):
-    return _fwd_call(st, q, k, v, decay, *side, save_sums=False)
+def _stick_breaking(st, q, k, v, decay, table):
+    return _fwd_call(st, q, k, v, decay, table, save_sums=False)
 
 
-def _stick_breaking_fwd(st, q, k, v, decay, side):
-    out, rem, c_sums = _fwd_call(st, q, k, v, decay, *side, save_sums=True)
-    return (out, rem), (q, k, v, decay, side, rem, c_sums)
+def _stick_breaking_fwd(st, q, k, v, decay, table):
+    out, rem, c_sums = _fwd_call(st, q, k, v, decay, table, save_sums=True)
+    return (out, rem), (q, k, v, decay, table, rem, c_sums)
 
 
 def _stick_breaking_bwd(st, residuals, cotangents):
-    q, k, v, decay, side, rem, c_sums = residuals
+    q, k, v, decay, table, rem, c_sums = residuals
     do, drem = cotangents
-    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, *side, do.astype(q.dtype), drem * rem, c_sums)
+    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, c_sums)
     return dq, dk, dv, _pad_axis(ddecay.sum(axis=(0, 2)), 0, decay.shape[0]), None
 
 
@@ -396,11 +388,8 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     qp = _pad_axis(_pad_head_dim(q, spec, head_pad, True), 1, seq_pad)
     kp = _pad_axis(_pad_head_dim(k, spec, head_pad, True), 1, seq_pad)
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
-    side = (None, None)
-    if spec.rope is not None:
-        inv_freq = _pad_axis(inverse_frequencies(head_dim, spec.rope.base), 0, head_pad // 2)
-        side = (_side_info(_info_fields(spec), seq_pad, None, pos), inv_freq)
+    table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad)
     decay_pad = _pad_axis(decay.astype(jnp.float32), 0, _pow2_at_least(decay.shape[0]))
     st = _Static(spec, blocks, interpret)
-    out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, side)
+    out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]
