@@ -7,7 +7,8 @@ Definition (DESIGN.md "ExpoSB"; Tan et al., arXiv 2410.17980), strictly causal, 
 
 Forward, one program per (query block, batch, head): key blocks are walked from the diagonal
 leftwards; `c` carries the softplus sum of the keys already passed (to the right), and inside a
-tile the strict suffix sum is rowsum - cumsum. No max shift is needed: log A <= 0.
+tile the strict suffix sum is rowsum - cumsum. No max shift is needed: log A <= 0. For 16-bit
+inputs the logs are base 2 (single-MUFU exp2/log2; the tile math is elementwise-bound).
 
 Backward. With g_ij = A_ij (dO_i . v_j) and sigma = sigmoid(z):
   dz_ij = g_ij - sigma_ij (drem_i rem_i + sum_{m<=j} g_im),
@@ -32,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.pallas_triton import (
-    MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least, _rope_cos_sin, _rotate,
+    LOG2E, MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least, _rope_cos_sin, _rotate,
     _side_specs_and_args, _store_parts, _unpack, rope_tables)
 from jax_attn.spec import AttentionSpec
 
@@ -73,6 +74,7 @@ class _Static:
     spec: AttentionSpec  # scale, rope, precision (causal is implied)
     blocks: StickBreakingBlocks
     interpret: bool
+    fast: bool  # 16-bit inputs: base-2 logs with single-MUFU exp2/log2 (see `_stick`)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,27 +82,40 @@ class _Static:
 # ----------------------------------------------------------------------------------------------
 
 
-def _logits(q_parts, k_parts, spec, lam, rows, cols, *, k_major=False):
-    """z = scale * q.k - decay * (i - j), fp32; [block_q, block_k] or, k_major, [block_k, block_q]."""
+def _logits(q_parts, k_parts, spec, lam, rows, cols, fast: bool, *, k_major=False):
+    """z = scale * q.k - decay * (i - j) in fp32, in log2 units (z log2 e) when `fast`;
+    [block_q, block_k] or, k_major, [block_k, block_q]."""
     pairs = zip(k_parts, q_parts) if k_major else zip(q_parts, k_parts)
     raw = sum(_dot(a, b, spec, trans_b=True) for a, b in pairs)
-    return raw * spec.scale - lam * (rows - cols).astype(jnp.float32)
+    unit = LOG2E if fast else 1.0
+    return raw * (spec.scale * unit) - (lam * unit) * (rows - cols).astype(jnp.float32)
 
 
-def _stick(z, valid, c, axis):
+def _exp(x, fast: bool):
+    return jnp.exp2(x) if fast else jnp.exp(x)
+
+
+def _stick(z, valid, c, axis, fast: bool):
     """softplus, sigma and A of one tile; `axis` is the key axis, c the softplus sum to the right.
+    Returns (sp, sigma, a), sp and a zero where not valid (valid None: all valid).
 
-    Returns (sp, sigma, a) with sp and a zero where not valid (valid None: all valid)."""
-    t = jnp.log1p(jnp.exp(-jnp.abs(z)))
-    sp = jnp.maximum(z, 0.0) + t
+    Exact (fp32 inputs): natural logs, softplus = max(z, 0) + log1p(exp(-|z|)), which keeps the
+    tiny terms of strongly negative logits. `fast` (16-bit inputs; the tile math is
+    elementwise-bound): logs in base 2, log2(1 + 2^-|z|) with single-MUFU exp2/log2; rounding
+    1 + x costs <= 2^-24 absolute per key, far below what a 16-bit output resolves."""
+    if fast:
+        t = jnp.log2(1.0 + jnp.exp2(-jnp.abs(z)))
+    else:
+        t = jnp.log1p(jnp.exp(-jnp.abs(z)))
+    sp = jnp.maximum(z, 0.0) + t  # softplus(z) (/ ln 2 when fast)
     log_beta = jnp.minimum(z, 0.0) - t  # log sigmoid(z)
     if valid is not None:
         sp = jnp.where(valid, sp, 0.0)
     suffix = _strict_suffix(sp, axis)
-    a = jnp.exp(log_beta - c - suffix)
+    a = _exp(log_beta - c - suffix, fast)
     if valid is not None:
         a = jnp.where(valid, a, 0.0)
-    return sp, jnp.exp(log_beta), a
+    return sp, _exp(log_beta, fast), a
 
 
 def _strict_suffix(x, axis):
@@ -161,16 +176,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
-        z = _logits(q, k, spec, lam, rows, cols)
+        z = _logits(q, k, spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
-        sp, _, a = _stick(z, valid, c[:, None], axis=1)
+        sp, _, a = _stick(z, valid, c[:, None], 1, st.fast)
         acc = acc + _dot(a.astype(v.dtype), v, spec)
         return c + sp.sum(axis=1), acc
 
     carry = (jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
     c, acc = _row_walk(body, carry, block_q, block_k, leftwards=True)
     o_ref[...] = acc.astype(o_ref.dtype)
-    rem_ref[...] = jnp.exp(-c)
+    rem_ref[...] = _exp(-c, st.fast)
 
 
 def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
@@ -227,9 +242,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
-        z = _logits(q, k, spec, lam, rows, cols)
+        z = _logits(q, k, spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
-        _, sigma, a = _stick(z, valid, c_ref[block, :][:, None], axis=1)
+        _, sigma, a = _stick(z, valid, c_ref[block, :][:, None], 1, st.fast)
         da = _dot(do, v, spec, trans_b=True)
         dz, g = _dz(a, da, sigma, valid, g_left[:, None], axis=1)
         ddecay = ddecay - jnp.sum(dz * (rows - cols).astype(jnp.float32), axis=1)
@@ -271,9 +286,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st
         do = do_ref[tile, g, :]
         lam = decay_ref[first_head + g]
         rows = (start + jnp.arange(block_q))[None, :]
-        z = _logits(q, k, spec, lam, rows, cols, k_major=True)  # [block_k, block_q]
+        z = _logits(q, k, spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
         valid = cols < rows if masked else None
-        _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :], axis=0)
+        _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :], 0, st.fast)
         da = _dot(v, do, spec, trans_b=True)
         dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], axis=0)
         dv = dv + _dot(a.astype(do.dtype), do, spec)
@@ -390,6 +405,6 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad)
     decay_pad = _pad_axis(decay.astype(jnp.float32), 0, _pow2_at_least(decay.shape[0]))
-    st = _Static(spec, blocks, interpret)
+    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2)
     out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]
