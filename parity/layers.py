@@ -1,7 +1,7 @@
 """Layer-level parity: `jax_attn.layers` against their `torch_ref.layers` twins, and a training run.
 
 Layer cases (`kind` "attention" = MultiHeadSelfAttention, "encoder" = EncoderBlock), for the
-position schemes "none", "absolute", "rope": the Flax layer is built from the case's seed (every
+position schemes "none", "absolute", "rope", "exposb": the Flax layer is built from the case's seed (every
 parameter then shifted by seeded noise, so biases and LayerNorm parameters are not 0/1 and a
 swapped copy could not go unnoticed), copied to the torch twin by `parity.bridge`; identical
 NumPy input x and output cotangent go to both; compared are the output, dx and the gradient of
