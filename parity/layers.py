@@ -15,8 +15,9 @@ computations, torch TF32 off). A row "golden torch-f64 vs jax-f64" checks that t
 float64 ("xla", weights from the torch golden through `torch_to_flax`) agrees with the golden to
 1e-10: the cross-framework check of the layers' definitions (PE, RoPE, LayerNorm, GELU, heads).
 
-The training case ("train"): a tiny encoder (embedding-free: 2 EncoderBlocks + a linear head,
-d_model 32, 4 heads, seq 16, batch 4, causal, absolute positions) regresses a synthetic target
+The training cases ("train"): a tiny encoder (embedding-free: 2 EncoderBlocks + a linear head,
+d_model 32, 4 heads, seq 16, batch 4, causal; absolute positions, or ExpoSB with a learned
+per-head decay) regresses a synthetic target
 (the running mean of the first input features, which needs attention) with plain SGD, 20 steps,
 the same learning rate, identical initial weights (bridge) and identical batches in both
 frameworks; the loss of every step must pass the rule (golden: the float64 torch eager run; one
