@@ -479,8 +479,12 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_gpu_parity(case):
     _require_gpu()
-    assert not torch.backends.cuda.matmul.allow_tf32  # fp32: exact dots on both sides
-    _assert_rule(*_three(case, "cuda"), case.dtype)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32: exact dots on both sides (kernels: "ieee")
+    try:
+        _assert_rule(*_three(case, "cuda"), case.dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.mark.gpu

@@ -10,8 +10,9 @@ In log space: log A_ij = log sigmoid(z_ij) - sum_{j<m<i} softplus(z_im) and
 rem_i = exp(-sum_{j<i} softplus(z_ij)). Row 0 has no key: out 0, rem 1, zero gradients.
 
 The Triton kernels (`torch_ref.stick_breaking_triton`) walk the key blocks of a query tile from the
-diagonal leftwards with running sums; the eager reference here materialises [B, Hq, S, S].
-Triton is imported lazily, as for `flash_attention`.
+diagonal leftwards with a running softplus sum (forward), and sum the backward's prefix sums of
+A * dA from the left (deterministic, no atomics); the eager reference here materialises
+[B, Hq, S, S]. Triton is imported lazily, as for `flash_attention`.
 """
 from __future__ import annotations
 

@@ -85,11 +85,16 @@ class StickBreakingConfig:
 
 
 def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBreakingConfig:
-    """Heuristic on head dim and element size (not tuned by measurement yet).
+    """Heuristic on head dim and element size; not tuned by timing yet.
 
-    The tiles hold more fp32 [rows, keys] temporaries than the softmax kernels (z, softplus,
-    suffix sums, A; in the backward also sigma, g and dz), so they are a step smaller than
-    flash_triton's at the same head dim. The interpreter gets small tiles (CPU tests).
+    The tiles hold more live fp32 [rows, keys] temporaries than the softmax kernels (z, softplus,
+    log sigmoid, suffix sums, A; in the backward also g, the prefix sums and dz), so register
+    pressure sets the sizes. Checked by compiling for sm_90a on a machine without a GPU (Triton 3.9,
+    ptxas -v, with RoPE and a learnable decay, the heaviest variant): the 16-bit choices compile
+    without register spills except the dQ kernel at head dim <= 64 (68 bytes) and both backward
+    kernels at head dim 256 (about 1 KB); fp32 (IEEE dots, no tensor cores) spills from 40 bytes
+    to 1 KB in most kernels, its tiles are kept small. The interpreter gets small tiles so that
+    the CPU tests stay fast.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if not on_gpu:
@@ -97,14 +102,14 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBrea
     wide = dtype == torch.float32
     # (block_m, block_n, warps, stages), (bwd_block_n, dq_block_m, dkdv_block_m, warps, stages)
     if block_d <= 64:
-        fwd = (64, 64, 4, 3) if not wide else (64, 32, 4, 2)
-        bwd = (64, 64, 64, 4, 2) if not wide else (32, 64, 32, 4, 2)
+        fwd = (64, 64, 8, 3) if not wide else (64, 32, 8, 2)
+        bwd = (64, 64, 32, 8, 2) if not wide else (32, 32, 32, 8, 2)
     elif block_d <= 128:
-        fwd = (64, 64, 4, 2) if not wide else (64, 32, 4, 2)
-        bwd = (32, 64, 64, 4, 2) if not wide else (32, 32, 32, 4, 1)
+        fwd = (64, 32, 8, 3) if not wide else (32, 32, 8, 2)
+        bwd = (32, 32, 32, 8, 2) if not wide else (32, 16, 16, 8, 2)
     else:  # 256
-        fwd = (64, 32, 8, 2) if not wide else (32, 32, 4, 1)
-        bwd = (32, 32, 32, 8, 1) if not wide else (16, 32, 16, 4, 1)
+        fwd = (32, 32, 8, 2) if not wide else (16, 32, 8, 1)
+        bwd = (32, 16, 16, 8, 1) if not wide else (16, 16, 16, 8, 1)
     return StickBreakingConfig(block_d, *fwd, *bwd)
 
 
@@ -454,11 +459,13 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_bas
             spT = tl.where(validT, spT, 0.0)
         suffixT = tl.cumsum(spT, axis=0, reverse=True) - spT
         aT = tl.exp(log_betaT - c[None, :] - suffixT)
+        if MASKED:
+            aT = tl.where(validT, aT, 0.0)
         daT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         gT = aT * daT
         if MASKED:
-            aT = tl.where(validT, aT, 0.0)
             gT = tl.where(validT, gT, 0.0)
+        dv = tl.dot(aT.to(do.dtype), do, dv, input_precision=PRECISION)  # A is dead after this
         prefixT = p0[None, :] + tl.cumsum(gT, axis=0)
         dzT = gT - tl.exp(log_betaT) * prefixT
         q = tl.trans(qT)
@@ -469,7 +476,6 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_bas
             q = tl.where(seen[:, None], q, 0.0)  # rows with no key here (row 0): keep 0 * NaN out of dK
             if ROPE:
                 q2 = tl.where(seen[:, None], q2, 0.0)
-        dv = tl.dot(aT.to(do.dtype), do, dv, input_precision=PRECISION)
         dk = tl.dot(dzT.to(q.dtype), q, dk, input_precision=PRECISION)
         if ROPE:
             dk2 = tl.dot(dzT.to(q.dtype), q2, dk2, input_precision=PRECISION)
