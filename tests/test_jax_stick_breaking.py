@@ -154,3 +154,25 @@ def test_bad_shapes():
 def test_gpu(dtype, shape, kw):
     assert jax.default_backend() == "gpu", "gpu tests need a GPU"
     check(shape, dtype=dtype, **kw)
+
+
+def test_fp32_forward_at_gpu_tiles():
+    """64-key tiles (the GPU's): the in-tile suffix sum must not cost fp32 digits (rowsum - cumsum
+    did: 20x the reference's error here)."""
+    from jax_attn.spec import AttentionSpec
+    from jax_attn.stick_breaking_pallas import StickBreakingBlocks, stick_breaking_pallas
+
+    q, k, v, _, _ = _draw(6, 1, 256, 2, 2, 32)
+    spec = AttentionSpec(scale=32 ** -0.5, causal=True, precision=jax.lax.Precision.HIGHEST)
+    decay = np.array([0.0, 0.01])
+    run = lambda dt, f: np.asarray(f(*(jnp.asarray(x, dt) for x in (q, k, v)),
+                                     jnp.asarray(decay, dt if dt == jnp.float64 else jnp.float32), spec)[0],
+                                   np.float64)
+    from jax_attn import stick_breaking_reference
+    with jax.enable_x64(True):
+        golden = run(jnp.float64, stick_breaking_reference)
+    naive = run(jnp.float32, stick_breaking_reference)
+    blocks = StickBreakingBlocks(64, 64, 64, 4, 1)
+    fast = run(jnp.float32, lambda *a: stick_breaking_pallas(*a, blocks=blocks, interpret=True))
+    verdict = compare(fast, naive, golden, np.float32, FORWARD_FACTOR)
+    assert verdict.ok, verdict
