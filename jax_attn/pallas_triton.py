@@ -73,7 +73,7 @@ def _pow2_at_least(n: int) -> int:
     return max(MIN_BLOCK, 1 << max(0, n - 1).bit_length())
 
 
-def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> BlockSizes:
+def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope: bool = False) -> BlockSizes:
     """Tiles per padded head dim and dtype. Interpret mode: small tiles keep the CPU run short.
 
     16-bit, D <= 128: the fastest of `benchmarks/sweep_blocks.py` on an H100 (bf16, 2x8192x16x128
@@ -81,13 +81,18 @@ def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> B
     Against the previous tiles: D=128 forward +5.5/+9.7 % (causal/not), forward+backward +2/+19 %;
     D=64 forward +7/+10 %, forward+backward +96/+84 % (the old 128-row dK/dV tiles spilled).
     fp32: exact fp32 dots run on FMA units, whose code grows with the tile (a 128x64 tile
-    compiled for ~100 s on an H200), and fp32 tiles take twice the shared memory: smaller tiles."""
+    compiled for ~100 s on an H200), and fp32 tiles take twice the shared memory: smaller tiles.
+    RoPE at D = 128: every pipelined key tile brings its fp32 cos/sin rows (twice the bytes of the
+    bf16 key tile), and 128x128 tiles in 3 stages asked for 272 KB of shared memory on an H100
+    (232 KB there): 128x64 tiles in 2 stages."""
     if interpret:
         return BlockSizes(32, 32, 32, 32, 32, 32, 4, 1, 4, 1)
     if jnp.dtype(dtype) == jnp.float32:
         return BlockSizes(64, 32, 32, 64, 64, 32, 4, 2, 4, 2)
     if head_dim <= 64:
         return BlockSizes(64, 64, 32, 64, 64, 32, 4, 3, 4, 3)
+    if head_dim <= 128 and rope:
+        return BlockSizes(128, 64, 64, 64, 64, 64, 8, 2, 4, 2)
     if head_dim <= 128:
         return BlockSizes(128, 128, 64, 64, 64, 64, 8, 3, 4, 2)
     return BlockSizes(64, 32, 32, 64, 64, 32, 4, 2, 8, 1)
@@ -564,7 +569,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     else:  # each half of a rotated pair is a tile of its own: a power of two >= MIN_BLOCK
         head_pad = 2 * _pow2_at_least(head_dim // 2)
     if blocks is None:
-        blocks = default_block_sizes(head_pad, interpret, q.dtype)
+        blocks = default_block_sizes(head_pad, interpret, q.dtype, rope=spec.rope is not None)
     blocks = blocks.fitted(q_len, kv_len)
     tile_q = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
     tile_k = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
