@@ -23,6 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jax_attn.api import _fp32_precision  # noqa: E402
 from jax_attn.pallas_triton import default_block_sizes, flash_attention_pallas  # noqa: E402
+from jax_attn.rope import Rope  # noqa: E402
 from jax_attn.spec import AttentionSpec  # noqa: E402
 
 FWD_GRID = [  # block_q, block_k, num_warps, num_stages
@@ -35,9 +36,16 @@ BWD_GRID = [  # block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, num_warps_bwd,
 ]
 
 
+ROPE_FWD_GRID = [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2)]
+ROPE_BWD_GRID = [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 2), (64, 64, 64, 64, 8, 2)]
+
+
 def run(B, S, H, D, causal, blocks, mode, args):
-    spec = AttentionSpec(scale=D ** -0.5, causal=causal, precision=_fp32_precision(jnp.bfloat16))
-    f = lambda q, k, v: flash_attention_pallas(q, k, v, None, None, spec, blocks=blocks, interpret=False)[0]
+    rope = Rope(style="half") if args.rope else None
+    spec = AttentionSpec(scale=D ** -0.5, causal=causal, precision=_fp32_precision(jnp.bfloat16), rope=rope)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)) if rope else None
+    f = lambda q, k, v: flash_attention_pallas(q, k, v, None, None, spec, q_pos=pos, kv_pos=pos, blocks=blocks,
+                                               interpret=False)[0]
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in keys)
     g = jax.jit(f) if mode == "fwd" else jax.jit(_make_fwdbwd(f))
@@ -52,18 +60,21 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="fwd,fwdbwd")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target-ms", type=float, default=20.0)
+    parser.add_argument("--rope", action="store_true", help="fused RoPE (style half) with its own grids")
+    parser.add_argument("--causal", default="0,1", help="which causal settings (0, 1)")
     args = parser.parse_args(argv)
     name, kind, _ = device_info(False)
     rows = []
     for shape in args.shapes.split(";"):
         B, S, H, D = (int(x) for x in shape.split(","))
-        default = default_block_sizes(D, False, jnp.bfloat16)
-        for causal in (False, True):
+        default = default_block_sizes(D, False, jnp.bfloat16, rope=args.rope)
+        fwd_grid, bwd_grid = (ROPE_FWD_GRID, ROPE_BWD_GRID) if args.rope else (FWD_GRID, BWD_GRID)
+        for causal in (c == "1" for c in args.causal.split(",")):
             grids = {"fwd": [dataclasses.replace(default, block_q=a, block_k=b, num_warps=w, num_stages=s)
-                             for a, b, w, s in FWD_GRID],
+                             for a, b, w, s in fwd_grid],
                      "fwdbwd": [dataclasses.replace(default, block_q_dkv=a, block_k_dkv=b, block_q_dq=c,
                                                     block_k_dq=d, num_warps_bwd=w, num_stages_bwd=s)
-                                for a, b, c, d, w, s in BWD_GRID]}
+                                for a, b, c, d, w, s in bwd_grid]}
             for mode in args.modes.split(","):
                 for blocks in grids[mode]:
                     row = dict(shape=[B, S, H, D], causal=causal, mode=mode, blocks=dataclasses.asdict(blocks),
@@ -84,7 +95,7 @@ def main(argv=None) -> int:
                     gain = f"{ref['ms'] / best['ms']:.3f}x over the default" if ref else "default failed"
                     log(f"BEST D={D} causal={causal:d} {mode}: {best['tflops']:.1f} TF/s, {gain}: {best['blocks']}")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"sweep-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
+    path = os.path.join(args.out, f"sweep{'-rope' * args.rope}-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
     write_json(path, dict(device=name, date=time.strftime("%Y-%m-%d"), versions=versions(), rows=rows))
     log(f"wrote {path}")
     return 0
