@@ -84,7 +84,8 @@ def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope
     compiled for ~100 s on an H200), and fp32 tiles take twice the shared memory: smaller tiles.
     RoPE at D = 128: every pipelined key tile brings its fp32 cos/sin rows (twice the bytes of the
     bf16 key tile), and 128x128 tiles in 3 stages asked for 272 KB of shared memory on an H100
-    (232 KB there): 128x64 tiles in 2 stages."""
+    (232 KB there): 128x64 tiles in 2 stages; backward tiles from `sweep_blocks.py --rope`
+    (results/sweep-rope-nvidia-h100-80gb-hbm3-2026-11-22.json: 1.25x over 64x64)."""
     if interpret:
         return BlockSizes(32, 32, 32, 32, 32, 32, 4, 1, 4, 1)
     if jnp.dtype(dtype) == jnp.float32:
@@ -92,7 +93,7 @@ def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope
     if head_dim <= 64:
         return BlockSizes(64, 64, 32, 64, 64, 32, 4, 3, 4, 3)
     if head_dim <= 128 and rope:
-        return BlockSizes(128, 64, 64, 64, 64, 64, 8, 2, 4, 2)
+        return BlockSizes(128, 64, 32, 64, 64, 32, 8, 2, 4, 2)
     if head_dim <= 128:
         return BlockSizes(128, 128, 64, 64, 64, 64, 8, 3, 4, 2)
     return BlockSizes(64, 32, 32, 64, 64, 32, 4, 2, 8, 1)
