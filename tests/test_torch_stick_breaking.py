@@ -331,7 +331,7 @@ def test_defaults_and_return_forms():
     assert torch.equal(out, out2) and rem.shape == (1, 2, 9) and rem.dtype == F32
     out3, rem3 = stick_breaking_attention(q, k, v, scale=0.25, return_remainder=True, implementation="triton")
     assert torch.equal(out3, out2) and torch.equal(rem3, rem)
-    gold, gold_rem = stick_breaking_reference(q.double(), k.double(), v.double(), return_remainder=True)
+    gold, gold_rem = stick_breaking_reference(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), gold, rtol=0, atol=3e-3)
     torch.testing.assert_close(rem.double(), gold_rem, rtol=0, atol=1e-5)
     # empty batch: no launch, shapes kept
@@ -450,8 +450,8 @@ def test_accepted_edges():
     for decay in (0.0, 0, torch.tensor([0.0, 0.5], dtype=F16, device=DEVICE),
                   torch.tensor(0.25, dtype=F64, device=DEVICE)):
         for positions in (pos, (pos, pos.to(torch.int64)), None):
-            kw = dict(decay=decay, rope=Rope(style="half"), positions=positions, return_remainder=True)
-            out, rem = stick_breaking_attention(q, kv, kv, implementation="triton", **kw)
+            kw = dict(decay=decay, rope=Rope(style="half"), positions=positions)
+            out, rem = stick_breaking_attention(q, kv, kv, implementation="triton", return_remainder=True, **kw)
             gold, gold_rem = stick_breaking_reference(q.double(), kv.double(), kv.double(), **kw)
             torch.testing.assert_close(out.double(), gold, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(rem.double(), gold_rem, rtol=1e-5, atol=1e-6)

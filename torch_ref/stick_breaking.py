@@ -224,9 +224,9 @@ def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, rope=None, posit
     return (out, rem) if return_remainder else out
 
 
-def stick_breaking_reference(q, k, v, *, scale=None, decay=0.0, rope=None, positions=None, return_remainder=False):
-    """The eager reference with the arguments of `stick_breaking_attention`; returns (out, rem)
-    (return_remainder is accepted for symmetry and ignored: rem is always returned).
+def stick_breaking_reference(q, k, v, *, scale=None, decay=0.0, rope=None, positions=None):
+    """The eager reference with the arguments of `stick_breaking_attention` (less
+    return_remainder and implementation); returns (out, rem).
 
     Works in float64 too (the golden). Differentiable by autograd, decay tensors included.
     """
