@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One script for a lent GPU (no network, packages preinstalled): GPU tests, the parity check and
-# the benchmarks, logs under $OUT. Usage: bash scripts/gpu_session.sh [warn|tests|parity|rope|sb|sweep|bench|all]...
+# the benchmarks, logs under $OUT (the device tool returns at most 8 files: keep $OUT small, or
+# cat the logs into one file). Usage: bash scripts/gpu_session.sh [warn|tests|parity|rope|sb|sweep|bench|all]...
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -25,9 +26,10 @@ if has tests; then  # GPU tests, one pytest per file in parallel (compilation is
     timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "$f" -p no:cacheprovider > "$OUT/gpu-$n.txt" 2>&1 &
   done
 fi
+wait  # tests and parity side by side ran 13 processes and out of GPU memory (H100, 80 GB)
 if has parity; then  # parity in shards of cases, in parallel; PARITY_CASES picks cases (default all)
   cases=${PARITY_CASES:-$(python3 -c "from parity.cases import CASES; from parity.layers import LAYER_CASES; print(' '.join(c.name for c in CASES + LAYER_CASES))")}
-  shards=${PARITY_SHARDS:-6}; i=0
+  shards=${PARITY_SHARDS:-4}; i=0
   declare -a shard
   for c in $cases; do shard[$((i % shards))]+="${shard[$((i % shards))]:+,}$c"; i=$((i+1)); done
   for s in "${!shard[@]}"; do
