@@ -5,6 +5,7 @@ Triton is imported lazily (only when the Triton path runs), so the choice of int
 """
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 import os
@@ -163,8 +164,9 @@ def resolve_implementation(q: torch.Tensor, implementation=None) -> str:
     return implementation
 
 
-def _triton_module(q: torch.Tensor):
-    """Import the kernels, or raise NotImplementedError saying why Triton cannot serve this call."""
+def _triton_module(q: torch.Tensor, name: str = "flash_triton"):
+    """Import the kernel module `torch_ref.<name>`, or raise NotImplementedError saying why Triton
+    cannot serve this call."""
     if q.dtype == torch.float64:
         raise NotImplementedError("implementation='triton' does not support float64; use implementation='eager'")
     if not q.is_cuda and not _interpreter_requested():
@@ -172,14 +174,14 @@ def _triton_module(q: torch.Tensor):
             f"implementation='triton' needs a CUDA tensor or the Triton interpreter (TRITON_INTERPRET=1); "
             f"q is on {q.device}")
     try:
-        from . import flash_triton
+        kernels = importlib.import_module(f"{__package__}.{name}")
     except ImportError as e:  # pragma: no cover - triton is a declared dependency
         raise NotImplementedError(f"implementation='triton' needs triton: {e}") from e
-    if not q.is_cuda and not flash_triton.INTERPRETED:
+    if not q.is_cuda and not kernels.INTERPRETED:
         raise NotImplementedError(
             "implementation='triton' on a CPU tensor needs the Triton interpreter, but triton was imported "
             "before TRITON_INTERPRET=1 was set")
-    return flash_triton
+    return kernels
 
 
 class _FlashAttentionFn(torch.autograd.Function):

@@ -22,7 +22,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from .flash import _interpreter_requested, _segment_pair_for_kernel, _validate, _validate_rope, resolve_implementation
+from .flash import _segment_pair_for_kernel, _triton_module, _validate, _validate_rope, resolve_implementation
 from .rope import apply_rope
 
 __all__ = ["stick_breaking_attention", "stick_breaking_reference"]
@@ -118,25 +118,6 @@ def eager(q, k, v, *, scale: float, decay, rope=None, q_pos=None, kv_pos=None):
 # ----------------------------------------------------------------------------------------------
 # Triton path
 # ----------------------------------------------------------------------------------------------
-def _triton_module(q: torch.Tensor):
-    """Import the kernels, or raise NotImplementedError saying why Triton cannot serve this call."""
-    if q.dtype == torch.float64:
-        raise NotImplementedError("implementation='triton' does not support float64; use implementation='eager'")
-    if not q.is_cuda and not _interpreter_requested():
-        raise NotImplementedError(
-            f"implementation='triton' needs a CUDA tensor or the Triton interpreter (TRITON_INTERPRET=1); "
-            f"q is on {q.device}")
-    try:
-        from . import stick_breaking_triton
-    except ImportError as e:  # pragma: no cover - triton is a declared dependency
-        raise NotImplementedError(f"implementation='triton' needs triton: {e}") from e
-    if not q.is_cuda and not stick_breaking_triton.INTERPRETED:
-        raise NotImplementedError(
-            "implementation='triton' on a CPU tensor needs the Triton interpreter, but triton was imported "
-            "before TRITON_INTERPRET=1 was set")
-    return stick_breaking_triton
-
-
 class _StickBreakingFn(torch.autograd.Function):
     """Triton forward + backward. Outputs (out, rem), both differentiable. Gradients for q, k, v
     and the decay tensor (when one is given: `decay_t`, its own shape and dtype)."""
@@ -216,7 +197,7 @@ def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, rope=None, posit
     if impl == "eager":
         out, rem = eager(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
     else:
-        kernels = _triton_module(q)
+        kernels = _triton_module(q, "stick_breaking_triton")
         q_pos, kv_pos = _segment_pair_for_kernel(q_pos, kv_pos)
         decay_t = decay if isinstance(decay, torch.Tensor) else None
         decay_value = 0.0 if decay_t is not None else decay
