@@ -6,6 +6,7 @@ Run from the repository root: `PYTHONPATH=. python3 benchmarks/rope.py --out ben
 Rows (bf16, causal, forward and forward+backward; default shape 2x8192x16x128):
   plain      jax_attn.flash_attention without RoPE (the cost floor)
   fused      jax_attn.flash_attention(..., rope=Rope(style))        (q, k rotated after load)
+  fused+pos  the same with positions given as an array (general cos/sin table path)
   xla+ours   jax_attn.apply_rope on q, k by XLA, then jax_attn.flash_attention
   xla+cudnn  jax_attn.apply_rope by XLA, then jax.nn.dot_product_attention(implementation="cudnn")
 Targets (issue 4): fused fwd+bwd <= 1.05x the time of plain, and >= 1.05x faster than xla+ours.
@@ -34,6 +35,7 @@ def candidates(style: str, causal: bool, positions):
     return {
         "plain": lambda q, k, v: flash_attention(q, k, v, causal=causal),
         "fused": lambda q, k, v: flash_attention(q, k, v, causal=causal, rope=rope),
+        "fused+pos": lambda q, k, v: flash_attention(q, k, v, causal=causal, rope=rope, positions=positions),
         "xla+ours": lambda q, k, v: flash_attention(*rotate(q, k), v, causal=causal),
         "xla+cudnn": lambda q, k, v: jax.nn.dot_product_attention(
             *rotate(q, k), v, is_causal=causal, implementation="cudnn"),
@@ -71,14 +73,15 @@ def main(argv=None) -> int:
                     log(f"{style:12s} {mode:7s} {impl:10s} error {row['error'][:120]}")
                 rows.append(row)
     by = {(r["style"], r["mode"], r["impl"]): r.get("ms") for r in rows}
-    print("\n| style | mode | plain ms | fused ms | xla+ours ms | xla+cudnn ms | fused/plain | xla+ours/fused |")
-    print("|---|---|---|---|---|---|---|---|")
+    impls = ("plain", "fused", "fused+pos", "xla+ours", "xla+cudnn")
+    print("\n| style | mode | " + " | ".join(f"{i} ms" for i in impls) + " | fused/plain | xla+ours/fused |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for style in args.styles.split(","):
         for mode in ("fwd", "fwdbwd"):
-            t = [by.get((style, mode, i)) for i in ("plain", "fused", "xla+ours", "xla+cudnn")]
+            t = [by.get((style, mode, i)) for i in impls]
             ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"
             cells = " | ".join(f"{x:.3f}" if x else "err" for x in t)
-            print(f"| {style} | {mode} | {cells} | {ratio(t[1], t[0])} | {ratio(t[2], t[1])} |")
+            print(f"| {style} | {mode} | {cells} | {ratio(t[1], t[0])} | {ratio(t[3], t[1])} |")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"rope-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
     write_json(path, dict(device=name, date=time.strftime("%Y-%m-%d"), versions=versions(),

@@ -36,14 +36,17 @@ BWD_GRID = [  # block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, num_warps_bwd,
 ]
 
 
-ROPE_FWD_GRID = [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3), (128, 64, 4, 2)]
-ROPE_BWD_GRID = [(64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 2), (64, 64, 64, 64, 8, 2)]
+ROPE_FWD_GRID = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
+                 (64, 64, 4, 2)]
+ROPE_BWD_GRID = [(64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 2),
+                 (64, 64, 64, 64, 8, 2), (64, 128, 128, 64, 8, 2)]
 
 
 def run(B, S, H, D, causal, blocks, mode, args):
     rope = Rope(style="half") if args.rope else None
     spec = AttentionSpec(scale=D ** -0.5, causal=causal, precision=_fp32_precision(jnp.bfloat16), rope=rope)
-    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)) if rope else None
+    # positions arange (None) take the angle-addition path; --positions passes them as an array
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)) if rope and args.positions else None
     f = lambda q, k, v: flash_attention_pallas(q, k, v, None, None, spec, q_pos=pos, kv_pos=pos, blocks=blocks,
                                                interpret=False)[0]
     keys = jax.random.split(jax.random.key(0), 4)
@@ -61,13 +64,15 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target-ms", type=float, default=20.0)
     parser.add_argument("--rope", action="store_true", help="fused RoPE (style half) with its own grids")
+    parser.add_argument("--positions", action="store_true",
+                        help="with --rope: pass positions as an array (the general cos/sin table path)")
     parser.add_argument("--causal", default="0,1", help="which causal settings (0, 1)")
     args = parser.parse_args(argv)
     name, kind, _ = device_info(False)
     rows = []
     for shape in args.shapes.split(";"):
         B, S, H, D = (int(x) for x in shape.split(","))
-        default = default_block_sizes(D, False, jnp.bfloat16, rope=args.rope)
+        default = default_block_sizes(D, False, jnp.bfloat16, rope=args.rope, rope_positions=args.positions)
         fwd_grid, bwd_grid = (ROPE_FWD_GRID, ROPE_BWD_GRID) if args.rope else (FWD_GRID, BWD_GRID)
         for causal in (c == "1" for c in args.causal.split(",")):
             grids = {"fwd": [dataclasses.replace(default, block_q=a, block_k=b, num_warps=w, num_stages=s)
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
                     gain = f"{ref['ms'] / best['ms']:.3f}x over the default" if ref else "default failed"
                     log(f"BEST D={D} causal={causal:d} {mode}: {best['tflops']:.1f} TF/s, {gain}: {best['blocks']}")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"sweep{'-rope' * args.rope}-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
+    path = os.path.join(args.out, f"sweep{'-rope' * args.rope}{'-positions' * args.positions}-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
     write_json(path, dict(device=name, date=time.strftime("%Y-%m-%d"), versions=versions(), rows=rows))
     log(f"wrote {path}")
     return 0

@@ -81,7 +81,8 @@ def _check_segment_ids(segment_ids, batch, q_len, kv_len):
 
 
 def _check_rope(rope, positions, batch, q_len, kv_len, head_dim):
-    """-> (q_pos [B, Sq], kv_pos [B, Sk]) int32 or (None, None)."""
+    """-> (q_pos [B, Sq], kv_pos [B, Sk]) int32, or (None, None): no RoPE, or RoPE at the default
+    positions arange (which the kernels exploit: `pallas_triton._rope_cos_sin`)."""
     if rope is None:
         if positions is not None:
             raise ValueError("positions are given but rope is None; positions only drive RoPE")
@@ -91,8 +92,7 @@ def _check_rope(rope, positions, batch, q_len, kv_len, head_dim):
     if head_dim % 2:
         raise ValueError(f"head dim must be even for RoPE, got D={head_dim}")
     if positions is None:
-        return (jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32), (batch, q_len)),
-                jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len)))
+        return None, None
     q_pos, kv_pos = _check_pairable("positions", positions, batch, q_len, kv_len)
     return q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32)
 

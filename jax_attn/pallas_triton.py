@@ -73,7 +73,8 @@ def _pow2_at_least(n: int) -> int:
     return max(MIN_BLOCK, 1 << max(0, n - 1).bit_length())
 
 
-def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope: bool = False) -> BlockSizes:
+def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope: bool = False,
+                        rope_positions: bool = False) -> BlockSizes:
     """Tiles per padded head dim and dtype. Interpret mode: small tiles keep the CPU run short.
 
     16-bit, D <= 128: the fastest of `benchmarks/sweep_blocks.py` on an H100 (bf16, 2x8192x16x128
@@ -82,10 +83,13 @@ def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope
     D=64 forward +7/+10 %, forward+backward +96/+84 % (the old 128-row dK/dV tiles spilled).
     fp32: exact fp32 dots run on FMA units, whose code grows with the tile (a 128x64 tile
     compiled for ~100 s on an H200), and fp32 tiles take twice the shared memory: smaller tiles.
-    RoPE at D = 128: every pipelined key tile brings its fp32 cos/sin rows (twice the bytes of the
-    bf16 key tile), and 128x128 tiles in 3 stages asked for 272 KB of shared memory on an H100
-    (232 KB there): 128x64 tiles in 2 stages; backward tiles from `sweep_blocks.py --rope`
-    (results/sweep-rope-nvidia-h100-80gb-hbm3-2026-11-22.json: 1.25x over 64x64)."""
+    RoPE, D = 128 (`sweep_blocks.py --rope`, results/sweep-rope-*): the forward rotates every key
+    tile it loads; the backward loops rotate nothing (q, k arrive rotated), so the backward keeps
+    the plain tiles (1.12x over the next best). Forward at positions arange (one cos/sin table row
+    per tile, `_rope_cos_sin`): 128x64 in 3 stages (1.10x over 2). With positions given, every
+    pipelined key tile brings its fp32 cos/sin rows (twice the bytes of the bf16 key tile), and
+    128x128 tiles in 3 stages asked for 272 KB of shared memory on an H100 (232 KB there):
+    128x64 in 2 stages."""
     if interpret:
         return BlockSizes(32, 32, 32, 32, 32, 32, 4, 1, 4, 1)
     if jnp.dtype(dtype) == jnp.float32:
@@ -93,7 +97,7 @@ def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope
     if head_dim <= 64:
         return BlockSizes(64, 64, 32, 64, 64, 32, 4, 3, 4, 3)
     if head_dim <= 128 and rope:
-        return BlockSizes(128, 64, 32, 64, 64, 32, 8, 2, 4, 2)
+        return BlockSizes(128, 64, 64, 64, 64, 64, 8, 2 if rope_positions else 3, 4, 2)
     if head_dim <= 128:
         return BlockSizes(128, 128, 64, 64, 64, 64, 8, 3, 4, 2)
     return BlockSizes(64, 32, 32, 64, 64, 32, 4, 2, 8, 1)
@@ -108,6 +112,7 @@ class _Static:
     q_len: int  # real lengths (the arrays are padded to tile multiples)
     kv_len: int
     interpret: bool
+    rope_arange: bool = False  # RoPE at positions arange: tile cos/sin by angle addition
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,20 +143,49 @@ def _columns(spec: AttentionSpec, head_dim: int):
     return pl.ds(0, half, stride=2), pl.ds(1, half, stride=2)
 
 
+def _interleaved(spec: AttentionSpec) -> bool:
+    return spec.rope is not None and spec.rope.style == "interleaved"
+
+
 def _load_parts(ref, prefix, spec, head_dim):
+    if _interleaved(spec):  # one contiguous load, split in registers: stride-2 column loads made
+        x = ref[(*prefix, slice(None))]  # the forward 1.3x slower than style "half" (H100)
+        return tuple(jnp.unstack(x.reshape(*x.shape[:-1], head_dim // 2, 2), axis=-1))
     return tuple(ref[(*prefix, c)] for c in _columns(spec, head_dim))
 
 
 def _store_parts(ref, parts, spec, head_dim):
+    if _interleaved(spec):
+        x = jnp.stack(parts, axis=-1)
+        ref[...] = x.reshape(*x.shape[:-2], head_dim).astype(ref.dtype)
+        return
     for c, x in zip(_columns(spec, head_dim), parts):
         ref[:, c] = x.astype(ref.dtype)
 
 
-def _rope_cos_sin(table_ref, rows=slice(None)):
-    """cos, sin [rows, D/2] fp32 of one side's RoPE table [2, S, D/2] (`rope_tables`). Loaded, not
-    computed: in-kernel sin/cos of angles up to S radians take the slow range-reduction path, and
-    a key tile would recompute them for every query block."""
-    return table_ref[0, rows, :], table_ref[1, rows, :]
+def _rope_cos_sin(table_ref, rows=slice(None), delta=None):
+    """cos, sin [rows, D/2] fp32 of one side's RoPE table [2, S, D/2] (`rope_tables`).
+
+    Loaded, not computed: in-kernel sin/cos of angles up to S radians are slow, and a key tile
+    would recompute them for every query block. But the rows of a tile cost twice the L2 traffic
+    of the bf16 key tile itself (+1.7 ms of a 3.6 ms forward on an H100 at 2x8192x16x128). So at
+    positions arange (`delta` = `_rope_delta`: the table's first rows, loaded once per program),
+    a tile starting at row n0 reads the single row n0 and applies the angle-addition rule,
+    cos((n0 + d) t) = cos(n0 t) cos(d t) - sin(n0 t) sin(d t) (and likewise sin)."""
+    if delta is None:
+        return table_ref[0, rows, :], table_ref[1, rows, :]
+    first = pl.ds(rows.start, 1)
+    c0, s0 = table_ref[0, first, :], table_ref[1, first, :]
+    cd, sd = delta
+    return c0 * cd - s0 * sd, s0 * cd + c0 * sd
+
+
+def _rope_delta(st: "_Static", tables, side: int, rows: int):
+    """cos, sin of the angles d * theta, d in [0, rows), for `_rope_cos_sin` at positions arange
+    (rows 0..rows-1 of side `side`'s table); None when positions are given or there is no RoPE."""
+    if tables is None or not st.rope_arange:
+        return None
+    return _rope_cos_sin(tables[side], pl.ds(0, rows))
 
 
 def _rotate(parts, cos_sin, dtype, *, inverse=False):
@@ -250,10 +284,13 @@ def _side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block):
     return specs, args
 
 
-def rope_tables(pos, rope, head_dim: int, head_pad: int, length: int):
+def rope_tables(pos, rope, head_dim: int, head_pad: int, length: int, batch: int):
     """cos, sin of pos * theta as [B, 2, length, head_pad / 2] fp32 (the angle computed as the
-    reference computes it; theta zero on padded pairs; positions edge-padded to `length`)."""
+    reference computes it; theta zero on padded pairs; positions edge-padded to `length`; pos None
+    means arange, continued over the padding)."""
     inv_freq = _pad_axis(inverse_frequencies(head_dim, rope.base), 0, head_pad // 2)
+    if pos is None:
+        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     angle = _pad_axis(pos, 1, length, mode="edge").astype(jnp.float32)[:, :, None] * inv_freq
     return jnp.stack([jnp.cos(angle), jnp.sin(angle)], axis=1)
 
@@ -265,21 +302,24 @@ def rope_tables(pos, rope, head_dim: int, head_pad: int, length: int):
 
 def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     spec = st.spec
-    q_info, kv_info, tables, (o_ref, lse_ref, m2_ref, inv_l_ref) = _unpack(refs, spec)
+    q_info, kv_info, tables, (o_ref, lse_ref, m2_ref, inv_l_ref, *q_rot_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     rope = spec.rope is not None
     q_cs = _rope_cos_sin(tables[0]) if rope else None
     q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
+    if q_rot_ref:  # the rotated q, for the backward (whose loops then rotate nothing)
+        _store_parts(q_rot_ref[0], q, spec, head_dim)
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
     q_seg = q_info.get("seg")
     q_seg = None if q_seg is None else q_seg[:, None]
+    k_delta = _rope_delta(st, tables, 1, block_k)
 
     def body(j, carry, masked):
         m, l, acc = carry
         start = pl.multiple_of(j * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k_cs = _rope_cos_sin(tables[1], tile) if rope else None
+        k_cs = _rope_cos_sin(tables[1], tile, k_delta) if rope else None
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         s, _ = _scores(q, k, spec)
@@ -327,14 +367,17 @@ def _fwd_call(st: _Static, q, k, v, side, ranges):
         pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
         *side_specs,
     ]
+    q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
+    rotated = st.spec.rope is not None
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st),
         grid=(q_pad // bq, batch, num_heads),  # query blocks fastest: neighbours share K/V in L2
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))]
-        + [pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] * 3,
+        out_specs=[q_spec] + [pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] * 3
+        + [q_spec] * rotated,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)]
-        + [jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)] * 3,  # lse, m2, inv_l
+        + [jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)] * 3  # lse, m2, inv_l
+        + [jax.ShapeDtypeStruct(q.shape, q.dtype)] * rotated,  # q rotated
         compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps,
                                              num_stages=st.blocks.num_stages),
         interpret=st.interpret,
@@ -346,6 +389,8 @@ def _fwd_call(st: _Static, q, k, v, side, ranges):
 # Backward. Inputs beside q, k, v, dO: the forward's row statistics m2, inv_l (P = exp2(s2 - m2)
 # * inv_l) and delta = rowsum(dO * O) - dlse (FA2 Alg. 2 line 4; subtracting dlse makes the lse
 # output differentiable: d lse_i / d s_ij = p_ij).
+# With RoPE no loop rotates anything: q arrives rotated by the forward; the dK/dV kernel rotates
+# its key block once and writes it out for the dQ kernel. Only dQ and dK are rotated back (R^T).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -353,13 +398,15 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
                  st: _Static):
     """One program per (key block, batch, kv head); loops over the group's query heads."""
     spec = st.spec
-    q_info, kv_info, tables, (dk_ref, dv_ref) = _unpack(refs, spec)
+    q_info, kv_info, tables, (dk_ref, dv_ref, *k_rot_ref) = _unpack(refs, spec)
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
     rope = spec.rope is not None
     k_cs = _rope_cos_sin(tables[1]) if rope else None
     k = _rotate(_load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
+    if k_rot_ref:
+        _store_parts(k_rot_ref[0], k, spec, head_dim)
     v = v_ref[...]
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
     kv_seg = kv_info.get("seg")
@@ -372,8 +419,7 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
         i, g = step // group, step % group
         start = pl.multiple_of(i * block_q, block_q)
         tile = pl.ds(start, block_q)
-        q_cs = _rope_cos_sin(tables[0], tile) if rope else None
-        q = _rotate(_load_parts(q_ref, (tile, g), spec, head_dim), q_cs, q_ref.dtype)
+        q = _load_parts(q_ref, (tile, g), spec, head_dim)  # rotated already
         do = do_ref[tile, g, :]
         m2 = m2_ref[g, tile]
         inv_l = inv_l_ref[g, tile]
@@ -411,9 +457,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     q_info, kv_info, tables, (dq_ref,) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k_dq
-    rope = spec.rope is not None
-    q_cs = _rope_cos_sin(tables[0]) if rope else None
-    q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
+    q = _load_parts(q_ref, (slice(None),), spec, head_dim)  # q, k rotated already
     do = do_ref[...]
     m2 = m2_ref[...][:, None]
     inv_l = inv_l_ref[...][:, None]
@@ -425,8 +469,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     def body(j, dq, masked):
         start = pl.multiple_of(j * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k_cs = _rope_cos_sin(tables[1], tile) if rope else None
-        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
+        k = _load_parts(k_ref, (tile,), spec, head_dim)
         v = v_ref[tile, :]
         s, t = _scores(q, k, spec)
         if masked:
@@ -446,12 +489,14 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
 
     zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
     dq = _visit(ranges_ref, body, tuple(zeros for _ in q), _needs_mask(st, block_k))
-    dq = _rotate(dq, q_cs, jnp.float32, inverse=True)
+    if spec.rope is not None:
+        dq = _rotate(dq, _rope_cos_sin(tables[0]), jnp.float32, inverse=True)
     _store_parts(dq_ref, tuple(x * spec.scale for x in dq), spec, head_dim)
 
 
 def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
               do, m2, inv_l, delta):
+    """q is rotated already with RoPE (the forward's output), k is not."""
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -470,12 +515,14 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
                 row_group_spec, row_group_spec, row_group_spec, *side_specs]
     as_groups = lambda x: x.reshape(batch, q_pad, num_kv_heads, group, head_dim)
     rows_as_groups = lambda x: x.reshape(batch, num_kv_heads, group, q_pad)
-    dk, dv = pl.pallas_call(
+    rotated = st.spec.rope is not None
+    dk, dv, *k_rot = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st),
         grid=(kv_pad // bk, batch, num_kv_heads),
         in_specs=in_specs,
-        out_specs=[kv_block_spec, kv_block_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_specs=[kv_block_spec] * (2 + rotated),
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        + [jax.ShapeDtypeStruct(k.shape, k.dtype)] * rotated,  # k rotated, for the dQ kernel
         compiler_params=params, interpret=st.interpret, name="flash_bwd_dkdv",
     )(dkdv_ranges, as_groups(q), k, v, as_groups(do), rows_as_groups(m2),
       rows_as_groups(inv_l), rows_as_groups(delta), *side_args)
@@ -497,7 +544,7 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
         out_specs=q_block_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params, interpret=st.interpret, name="flash_bwd_dq",
-    )(dq_ranges, q, k, v, do, m2, inv_l, delta, *side_args)
+    )(dq_ranges, q, *k_rot or [k], v, do, m2, inv_l, delta, *side_args)
     return dq, dk, dv
 
 
@@ -508,12 +555,13 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse, _, _ = _fwd_call(st, q, k, v, side, fwd_ranges)
+    out, lse, *_ = _fwd_call(st, q, k, v, side, fwd_ranges)
     return out, lse
 
 
 def _flash_fwd(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse, m2, inv_l = _fwd_call(st, q, k, v, side, fwd_ranges)
+    out, lse, m2, inv_l, *q_rot = _fwd_call(st, q, k, v, side, fwd_ranges)
+    q = q_rot[0] if q_rot else q  # with RoPE the backward needs q only rotated
     return (out, lse), (q, k, v, side, dq_ranges, dkdv_ranges, out, m2, inv_l)
 
 
@@ -570,7 +618,8 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     else:  # each half of a rotated pair is a tile of its own: a power of two >= MIN_BLOCK
         head_pad = 2 * _pow2_at_least(head_dim // 2)
     if blocks is None:
-        blocks = default_block_sizes(head_pad, interpret, q.dtype, rope=spec.rope is not None)
+        blocks = default_block_sizes(head_pad, interpret, q.dtype, rope=spec.rope is not None,
+                                     rope_positions=q_pos is not None)
     blocks = blocks.fitted(q_len, kv_len)
     tile_q = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
     tile_k = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
@@ -585,14 +634,15 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     if fields:
         side[:2] = _side_info(fields, q_pad, q_seg), _side_info(fields, kv_pad, kv_seg)
     if spec.rope is not None:
-        side[2:] = (rope_tables(q_pos, spec.rope, head_dim, head_pad, q_pad),
-                    rope_tables(kv_pos, spec.rope, head_dim, head_pad, kv_pad))
+        side[2:] = (rope_tables(q_pos, spec.rope, head_dim, head_pad, q_pad, batch),
+                    rope_tables(kv_pos, spec.rope, head_dim, head_pad, kv_pad, batch))
     side = tuple(side)
     if spec.has_segments:
         q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
         kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad, mode="edge")
 
-    st = _Static(spec, blocks, q_len, kv_len, interpret)
+    st = _Static(spec, blocks, q_len, kv_len, interpret,
+                 rope_arange=spec.rope is not None and q_pos is None)
 
     def ranges(bq, bk, key_major):
         return block_ranges(spec, q_len, kv_len, bq, bk, q_pad // bq, kv_pad // bk,

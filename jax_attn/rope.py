@@ -49,8 +49,10 @@ def inverse_frequencies(head_dim: int, base: float, dtype=jnp.float32):
 
 
 def apply_rope(x, positions, rope: Rope):
-    """Rotate x [B, S, H, D] by positions [B, S] (plain jnp; computed in float32 or wider)."""
+    """Rotate x [B, S, H, D] by positions [B, S] (None: arange) (plain jnp; in float32 or wider)."""
     compute = jnp.promote_types(x.dtype, jnp.float32)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
     angle = positions.astype(compute)[:, :, None, None] * inverse_frequencies(x.shape[-1], rope.base, compute)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x_a, x_b = split_pairs(x.astype(compute), rope.style)

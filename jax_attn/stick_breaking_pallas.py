@@ -33,8 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.pallas_triton import (
-    LOG2E, MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least, _rope_cos_sin, _rotate,
-    _side_specs_and_args, _store_parts, _unpack, rope_tables)
+    LOG2E, MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least, _rope_cos_sin,
+    _rope_delta, _rotate, _side_specs_and_args, _store_parts, _unpack, rope_tables)
 from jax_attn.spec import AttentionSpec
 
 
@@ -75,6 +75,7 @@ class _Static:
     blocks: StickBreakingBlocks
     interpret: bool
     fast: bool  # 16-bit inputs: base-2 logs with single-MUFU exp2/log2 (see `_stick`)
+    rope_arange: bool = False  # RoPE at positions arange: tile cos/sin by angle addition
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,9 +167,9 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: bool):
+def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: bool, group: int):
     spec = st.spec
-    _, _, tables, (o_ref, rem_ref, *c_ref) = _unpack(refs, spec)
+    _, _, tables, (o_ref, rem_ref, *saved) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     rope = spec.rope is not None
@@ -176,14 +177,26 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
     q_cs = _rope_cos_sin(tables[0]) if rope else None
     q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
+    c_ref = saved[0] if save_sums else None
+    if save_sums and rope:  # q and k rotated, for the backward (whose loops then rotate nothing)
+        q_rot_ref, k_rot_ref = saved[1:]
+        _store_parts(q_rot_ref, q, spec, head_dim)
+        own = pl.ds(pl.program_id(0) * block_q, block_q)  # the key rows of this query block,
+
+        @pl.when(pl.program_id(2) % group == 0)  # stored by the kv head's first query head
+        def _():
+            k_own = _rotate(_load_parts(k_ref, (own,), spec, head_dim), _rope_cos_sin(tables[1], own),
+                            k_ref.dtype)
+            _store_parts(k_rot_ref, k_own, spec, head_dim)
+    k_delta = _rope_delta(st, tables, 1, block_k)
 
     def body(block, carry, masked):
         c, acc = carry
         if save_sums:  # the softplus sum right of this key block, for the backward
-            c_ref[0][block, :] = c
+            c_ref[block, :] = c
         start = pl.multiple_of(block * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k_cs = _rope_cos_sin(tables[1], tile) if rope else None
+        k_cs = _rope_cos_sin(tables[1], tile, k_delta) if rope else None
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
@@ -200,7 +213,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
 
 
 def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
-    """-> out, rem and, when save_sums, the softplus sums at the key-block boundaries."""
+    """-> out, rem and, when save_sums, the softplus sums at the key-block boundaries and, with
+    RoPE, q and k rotated."""
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
@@ -210,15 +224,18 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
     kv_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     sums_spec = pl.BlockSpec((None, None, seq_pad // st.blocks.block_k, bq), lambda i, b, h: (b, h, 0, i))
     sums = jax.ShapeDtypeStruct((batch, num_heads, seq_pad // st.blocks.block_k, seq_pad), jnp.float32)
+    q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
+    rotated = save_sums and st.spec.rope is not None  # + q, k rotated
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, st=st, save_sums=save_sums),
+        functools.partial(_fwd_kernel, st=st, save_sums=save_sums, group=group),
         grid=(seq_pad // bq, batch, num_heads),
-        in_specs=[pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
-                  kv_spec, kv_spec, pl.BlockSpec(decay.shape, lambda *_: (0,)), *side_specs],
-        out_specs=[pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] + [sums_spec] * save_sums,
+        in_specs=[q_spec, kv_spec, kv_spec, pl.BlockSpec(decay.shape, lambda *_: (0,)), *side_specs],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
+        + [sums_spec] * save_sums
+        + [q_spec, pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h // group, 0))] * rotated,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)] + [sums] * save_sums,
+                   jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)] + [sums] * save_sums
+        + [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)] * rotated,
         compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps,
                                              num_stages=st.blocks.num_stages),
         interpret=st.interpret,
@@ -237,10 +254,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
     _, _, tables, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
-    rope = spec.rope is not None
     lam = decay_ref[pl.program_id(2)]
-    q_cs = _rope_cos_sin(tables[0]) if rope else None
-    q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
+    q = _load_parts(q_ref, (slice(None),), spec, head_dim)  # q, k rotated already
     do = do_ref[...]
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
 
@@ -249,8 +264,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
         g_ref[block, :] = g_left
         start = pl.multiple_of(block * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k_cs = _rope_cos_sin(tables[1], tile) if rope else None
-        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
+        k = _load_parts(k_ref, (tile,), spec, head_dim)
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
         z = _logits(q, k, spec, lam, rows, cols, st.fast)
@@ -266,7 +280,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
     zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
     carry = (g0_ref[...], jnp.zeros((block_q,), jnp.float32), tuple(zeros for _ in q))
     _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False)
-    dq = _rotate(dq, q_cs, jnp.float32, inverse=True)
+    if spec.rope is not None:
+        dq = _rotate(dq, _rope_cos_sin(tables[0]), jnp.float32, inverse=True)
     _store_parts(dq_ref, tuple(x * spec.scale for x in dq), spec, head_dim)
     ddecay_ref[...] = ddecay
 
@@ -279,9 +294,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
     num_q_blocks = q_ref.shape[0] // block_q
-    rope = spec.rope is not None
-    k_cs = _rope_cos_sin(tables[1]) if rope else None
-    k = _rotate(_load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
+    k = _load_parts(k_ref, (slice(None),), spec, head_dim)  # q, k rotated already
     v = v_ref[...]
     first_col = pl.program_id(0) * block_k
     first_head = pl.program_id(2) * group
@@ -292,8 +305,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st
         i, g = step // group, step % group
         start = pl.multiple_of(i * block_q, block_q)
         tile = pl.ds(start, block_q)
-        q_cs = _rope_cos_sin(tables[0], tile) if rope else None
-        q = _rotate(_load_parts(q_ref, (tile, g), spec, head_dim), q_cs, q_ref.dtype)
+        q = _load_parts(q_ref, (tile, g), spec, head_dim)
         do = do_ref[tile, g, :]
         lam = decay_ref[first_head + g]
         rows = (start + jnp.arange(block_q))[None, :]
@@ -314,13 +326,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st
     carry = (tuple(zeros for _ in k), jnp.zeros((block_k, head_dim), jnp.float32))
     carry = jax.lax.fori_loop(lo * group, full * group, functools.partial(body, masked=True), carry)
     dk, dv = jax.lax.fori_loop(full * group, num_q_blocks * group, functools.partial(body, masked=False), carry)
-    dk = _rotate(dk, k_cs, jnp.float32, inverse=True)
+    if spec.rope is not None:
+        dk = _rotate(dk, _rope_cos_sin(tables[1]), jnp.float32, inverse=True)
     _store_parts(dk_ref, tuple(x * spec.scale for x in dk), spec, head_dim)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
-    """g0 [B, H, S] = drem * rem; c_sums: the forward's softplus sums at key-block boundaries."""
+    """g0 [B, H, S] = drem * rem; c_sums: the forward's softplus sums at key-block boundaries.
+    With RoPE q and k are rotated already (the forward's outputs); dQ and dK are rotated back."""
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
@@ -380,15 +394,38 @@ def _stick_breaking(st, q, k, v, decay, table):
 
 
 def _stick_breaking_fwd(st, q, k, v, decay, table):
-    out, rem, c_sums = _fwd_call(st, q, k, v, decay, table, save_sums=True)
+    out, rem, c_sums, *rotated = _fwd_call(st, q, k, v, decay, table, save_sums=True)
+    q, k = rotated or (q, k)  # with RoPE the backward needs q, k only rotated
     return (out, rem), (q, k, v, decay, table, rem, c_sums)
+
+
+def _sum_compensated(x):
+    """Sum over the last axis of fp32 x, nearly correctly rounded, in a fixed order on every backend.
+
+    The per-row decay gradients cancel heavily (sum |x| ~ 40x |sum x|), so the order of a plain
+    fp32 reduction shows: XLA:CPU merges the head and row reductions under jit and sums windows of
+    192 terms sequentially, erring ~6x the kernel's own error. Here: pairwise halving with
+    Knuth's TwoSum, each add's exact rounding error carried in a second fp32 word (elementwise
+    ops only, which XLA does not reassociate), so the result errs ~1 ulp of the sum."""
+    n = _pow2_at_least(x.shape[-1])
+    hi = _pad_axis(x, x.ndim - 1, n)
+    lo = jnp.zeros_like(hi)
+    while n > 1:
+        n //= 2
+        a, b = hi[..., :n], hi[..., n:]
+        hi = a + b
+        b_virtual = hi - a
+        err = (a - (hi - b_virtual)) + (b - b_virtual)  # exactly a + b - hi
+        lo = lo[..., :n] + lo[..., n:] + err
+    return (hi + lo)[..., 0]
 
 
 def _stick_breaking_bwd(st, residuals, cotangents):
     q, k, v, decay, table, rem, c_sums = residuals
     do, drem = cotangents
     dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, c_sums)
-    return dq, dk, dv, _pad_axis(ddecay.sum(axis=(0, 2)), 0, decay.shape[0]), None
+    ddecay = _sum_compensated(jnp.moveaxis(ddecay, 1, 0).reshape(ddecay.shape[1], -1))  # [H]
+    return dq, dk, dv, _pad_axis(ddecay, 0, decay.shape[0]), None
 
 
 _stick_breaking.defvjp(_stick_breaking_fwd, _stick_breaking_bwd)
@@ -398,13 +435,13 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
                           blocks: StickBreakingBlocks | None = None, interpret: bool | None = None):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D], decay [Hq] fp32 (validated) -> (out, rem [B, Hq, S]).
 
-    pos [B, S] int32 RoPE positions when spec.rope. Pads D to a power of two and S to a tile
+    pos [B, S] int32 RoPE positions when spec.rope (None: arange). Pads D to a power of two and S to a tile
     multiple with zeros: padded keys sit right of every real row (never seen), padded rows are
     sliced off and, with zero cotangents, add exactly zero to dK/dV.
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    _, seq_len, _, head_dim = q.shape
+    batch, seq_len, _, head_dim = q.shape
     head_pad = _pow2_at_least(head_dim) if spec.rope is None else 2 * _pow2_at_least(head_dim // 2)
     if blocks is None:
         blocks = default_stick_breaking_blocks(head_pad, interpret, q.dtype)
@@ -414,8 +451,9 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     qp = _pad_axis(_pad_head_dim(q, spec, head_pad, True), 1, seq_pad)
     kp = _pad_axis(_pad_head_dim(k, spec, head_pad, True), 1, seq_pad)
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
-    table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad)
+    table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
     decay_pad = _pad_axis(decay.astype(jnp.float32), 0, _pow2_at_least(decay.shape[0]))
-    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2)
+    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2,
+                 rope_arange=spec.rope is not None and pos is None)
     out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]
