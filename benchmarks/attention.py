@@ -726,6 +726,23 @@ def write_json(path, doc):
     os.replace(tmp, path)
 
 
+def ms_table_row(labels, times, ratios) -> str:
+    """A markdown row: labels, then times in ms ("err" where missing), then a/b ratios ("-")."""
+    cells = [*labels, *(f"{x:.3f}" if x else "err" for x in times),
+             *(f"{a / b:.3f}" if a and b else "-" for a, b in ratios)]
+    return "| " + " | ".join(cells) + " |"
+
+
+def save_run(out_dir: str, stem: str, device_kind: str, device_name: str, rows: list, **extra) -> str:
+    """Write one run of a benchmark script as {out_dir}/{stem}-{device kind}-{date}.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    date = time.strftime("%Y-%m-%d")
+    path = os.path.join(out_dir, f"{stem}-{slugify(device_kind)}-{date}.json")
+    write_json(path, dict(device=device_name, date=date, versions=versions(), **extra, rows=rows))
+    log(f"wrote {path}")
+    return path
+
+
 # --------------------------------------------------------------------------------------------
 # Plot and table
 # --------------------------------------------------------------------------------------------

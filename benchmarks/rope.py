@@ -16,11 +16,8 @@ TF/s compare directly with benchmarks/attention.py.
 from __future__ import annotations
 
 import argparse
-import os
-import time
 
-from benchmarks.attention import (_make_fwdbwd, device_info, flops, log, slugify, time_jax,
-                                  versions, write_json)
+from benchmarks.attention import _make_fwdbwd, device_info, flops, log, ms_table_row, save_run, time_jax
 
 import jax  # noqa: E402  (benchmarks.attention configured the allocator before importing jax)
 import jax.numpy as jnp  # noqa: E402
@@ -79,14 +76,8 @@ def main(argv=None) -> int:
     for style in args.styles.split(","):
         for mode in ("fwd", "fwdbwd"):
             t = [by.get((style, mode, i)) for i in impls]
-            ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"
-            cells = " | ".join(f"{x:.3f}" if x else "err" for x in t)
-            print(f"| {style} | {mode} | {cells} | {ratio(t[1], t[0])} | {ratio(t[3], t[1])} |")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"rope-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
-    write_json(path, dict(device=name, date=time.strftime("%Y-%m-%d"), versions=versions(),
-                          jax_attn_device=str(jax_attn.device_info()), rows=rows))
-    log(f"wrote {path}")
+            print(ms_table_row((style, mode), t, [(t[1], t[0]), (t[3], t[1])]))
+    save_run(args.out, "rope", kind, name, rows, jax_attn_device=str(jax_attn.device_info()))
     return 0
 
 

@@ -18,11 +18,9 @@ directly with benchmarks/attention.py (the extra cumsum and transcendentals are 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-from benchmarks.attention import (_make_fwdbwd, device_info, flops, log, slugify, time_jax,
-                                  versions, write_json)
+from benchmarks.attention import _make_fwdbwd, device_info, flops, log, ms_table_row, save_run, time_jax
 
 import jax  # noqa: E402  (benchmarks.attention configured the allocator before importing jax)
 import jax.numpy as jnp  # noqa: E402
@@ -138,14 +136,8 @@ def main(argv=None) -> int:
     for mode in ("fwd", "fwdbwd"):
         t = [ms.get((i, mode, S)) for i in ("softmax", "sb", "sb+rope", "torch_sb")]
         fast, slow = ms.get(("sb", mode, args.xla_seq)), ms.get(("sb_xla", mode, args.xla_seq))
-        ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"
-        cells = " | ".join(f"{x:.3f}" if x else "err" for x in t)
-        print(f"| {mode} | {cells} | {ratio(t[0], t[1])} | {ratio(slow, fast)} |")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"stick-breaking-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
-    write_json(path, dict(device=name, date=time.strftime("%Y-%m-%d"), versions=versions(),
-                          jax_attn_device=str(jax_attn.device_info()), rows=rows))
-    log(f"wrote {path}")
+        print(ms_table_row((mode,), t, [(t[0], t[1]), (slow, fast)]))
+    save_run(args.out, "stick-breaking", kind, name, rows, jax_attn_device=str(jax_attn.device_info()))
     return 0
 
 

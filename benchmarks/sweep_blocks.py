@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import time
 
-from benchmarks.attention import _make_fwdbwd, device_info, flops, log, slugify, time_jax, versions, write_json
+from benchmarks.attention import _make_fwdbwd, device_info, flops, log, save_run, time_jax
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -99,10 +97,7 @@ def main(argv=None) -> int:
                     ref = next((r for r in ok if r["is_default"]), None)
                     gain = f"{ref['ms'] / best['ms']:.3f}x over the default" if ref else "default failed"
                     log(f"BEST D={D} causal={causal:d} {mode}: {best['tflops']:.1f} TF/s, {gain}: {best['blocks']}")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"sweep{'-rope' * args.rope}{'-positions' * args.positions}-{slugify(kind)}-{time.strftime('%Y-%m-%d')}.json")
-    write_json(path, dict(device=name, date=time.strftime("%Y-%m-%d"), versions=versions(), rows=rows))
-    log(f"wrote {path}")
+    save_run(args.out, f"sweep{'-rope' * args.rope}{'-positions' * args.positions}", kind, name, rows)
     return 0
 
 
