@@ -254,12 +254,43 @@ def _pair_cols(offs_h, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _rope_cos_sin(pos, theta, TRANS: tl.constexpr):
+def _load_positions(pos_base, rows, r_ok, s_pos, offs_h, CHECK_R: tl.constexpr, TRANS: tl.constexpr):
+    """The positions of `rows` as fp32, loaded directly in the tile's shape [rows, BLOCK_H]
+    ([BLOCK_H, rows] if TRANS): the pointers are broadcast along the pair axis.
+
+    The dK/dV kernel uses this instead of a [rows] vector broadcast afterwards. In its loop the
+    vector, whose layout is replicated across lanes, becomes lane-predicated cp.async copies in
+    Triton 3.6's software pipeline, and ptxas (CUDA 12.8 as bundled with Triton 3.6, and 12.9;
+    sm_90a) segfaulted on the 16-bit dK/dV kernel for every tile config tried. In the tile's shape
+    nothing is replicated: it compiles, with fewer spills. The forward and dQ kernels keep the
+    vector: they compile with it, and the tile would cost them pipelined shared memory (forward:
+    up to 32 KB more)."""
+    if TRANS:
+        ptrs = pos_base + rows[None, :] * s_pos + 0 * offs_h[:, None]
+        ok = r_ok[None, :]
+    else:
+        ptrs = pos_base + rows[:, None] * s_pos + 0 * offs_h[None, :]
+        ok = r_ok[:, None]
+    if CHECK_R:
+        pos = tl.load(ptrs, mask=ok, other=0)
+    else:
+        pos = tl.load(ptrs)
+    return pos.to(tl.float32)
+
+
+@triton.jit
+def _rope_cos_sin(pos, theta, TRANS: tl.constexpr, TILE_POS: tl.constexpr = False):
     """cos, sin of the angle pos * theta in fp32: [rows, BLOCK_H], or [BLOCK_H, rows] if TRANS.
 
-    pos: fp32 positions [rows]; theta: the fp32 table base ** (-2j / D) [BLOCK_H] (0 on padding),
-    so the fp32 angle is bit-identical to the eager reference's."""
-    if TRANS:
+    pos: fp32 positions [rows] (already in the tile's shape if TILE_POS); theta: the fp32 table
+    base ** (-2j / D) [BLOCK_H] (0 on padding), so the fp32 angle is bit-identical to the eager
+    reference's."""
+    if TILE_POS:
+        if TRANS:
+            angle = theta[:, None] * pos
+        else:
+            angle = pos * theta[None, :]
+    elif TRANS:
         angle = theta[:, None] * pos[None, :]
     else:
         angle = pos[:, None] * theta[None, :]
@@ -268,18 +299,23 @@ def _rope_cos_sin(pos, theta, TRANS: tl.constexpr):
 
 @triton.jit
 def _load_rotated(base, rows, r_ok, s_row, s_col, pos_base, s_pos, theta, offs_h, h_ok, HALF: tl.constexpr,
-                  CHECK_R: tl.constexpr, CHECK_H: tl.constexpr, INTERLEAVED: tl.constexpr, TRANS: tl.constexpr):
+                  CHECK_R: tl.constexpr, CHECK_H: tl.constexpr, INTERLEAVED: tl.constexpr, TRANS: tl.constexpr,
+                  TILE_POS: tl.constexpr = False):
     """Rows `rows` of a q or k tile, rotated by their positions: (x_a', x_b') in the input dtype,
-    each [rows, BLOCK_H] ([BLOCK_H, rows] if TRANS). Padding rows / columns read 0 and stay 0."""
+    each [rows, BLOCK_H] ([BLOCK_H, rows] if TRANS). Padding rows / columns read 0 and stay 0.
+    TILE_POS: load the positions in the tile's shape (`_load_positions`; the dK/dV kernel does)."""
     col_a, col_b = _pair_cols(offs_h, HALF, INTERLEAVED)
-    pos = _load_1d(pos_base + rows * s_pos, r_ok, CHECK_R).to(tl.float32)
+    if TILE_POS:
+        pos = _load_positions(pos_base, rows, r_ok, s_pos, offs_h, CHECK_R, TRANS)
+    else:
+        pos = _load_1d(pos_base + rows * s_pos, r_ok, CHECK_R).to(tl.float32)
     if TRANS:
         x_a = _load_2d(base + col_a[:, None] * s_col + rows[None, :] * s_row, h_ok, r_ok, CHECK_H, CHECK_R)
         x_b = _load_2d(base + col_b[:, None] * s_col + rows[None, :] * s_row, h_ok, r_ok, CHECK_H, CHECK_R)
     else:
         x_a = _load_2d(base + rows[:, None] * s_row + col_a[None, :] * s_col, r_ok, h_ok, CHECK_R, CHECK_H)
         x_b = _load_2d(base + rows[:, None] * s_row + col_b[None, :] * s_col, r_ok, h_ok, CHECK_R, CHECK_H)
-    c, s = _rope_cos_sin(pos, theta, TRANS)
+    c, s = _rope_cos_sin(pos, theta, TRANS, TILE_POS)
     f_a = x_a.to(tl.float32)
     f_b = x_b.to(tl.float32)
     r_a = (f_a * c - f_b * s).to(x_a.dtype)
@@ -448,7 +484,7 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base,
         m_ok = rows < Sq
         if ROPE:
             qT, qT2 = _load_rotated(q_base, rows, m_ok, sqs, sqd, qp_base, sqps, theta, offs_h, h_ok, HALF,
-                                    POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True)
+                                    POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True, True)
             qk = tl.dot(k, qT, input_precision=PRECISION)
             qk = tl.dot(k2, qT2, qk, input_precision=PRECISION)
         else:
@@ -526,7 +562,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         h_ok = offs_h < HALF
         theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
         k, k2 = _load_rotated(K + b * skb + hk * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps, theta, offs_h,
-                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
+                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False, True)
         qp_base = QPOS + b * sqpb
     else:
         k = _load_2d(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :] * skd, n_ok, d_ok, True,
