@@ -1,6 +1,7 @@
 """Public entry point: `flash_attention`, its input validation and the implementation registry."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Callable
@@ -8,7 +9,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_attn import pallas_triton, xla
+from jax_attn import mosaic_gpu, pallas_triton, xla
 from jax_attn.device import pallas_triton_unsupported_reason
 from jax_attn.rope import Rope
 from jax_attn.spec import AttentionSpec
@@ -19,6 +20,8 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 # name -> fn(q, k, v, q_seg, kv_seg, spec, *, q_pos, kv_pos) -> (out, lse). Adding a backend = one entry.
 IMPLEMENTATIONS: dict[str, Callable] = {
     "pallas_triton": pallas_triton.flash_attention_pallas,
+    # the forward on the Hopper kernel (`mosaic_gpu`), the backward on the Pallas Triton engine
+    "mosaic_gpu": functools.partial(pallas_triton.flash_attention_pallas, forward="mosaic_gpu"),
     "xla": xla.attention_reference,
 }
 
@@ -140,7 +143,10 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         default arange (per-token positions serve packed sequences).
       return_lse: also return lse [B, Hq, Sq] float32 (natural log; -inf on rows with no
         visible key). The lse output is differentiable.
-      implementation: None (see `default_implementation`), "pallas_triton" or "xla".
+      implementation: None (see `default_implementation`), "pallas_triton", "mosaic_gpu" (Hopper
+        GPUs; plain or causal 16-bit attention without window, softcap, segments or RoPE, D <= 128:
+        a warp-specialised TMA/wgmma forward, the Pallas Triton backward; raises on anything
+        else) or "xla".
 
     Float32 inputs use the matmul precision JAX is configured with
     (`jax.default_matmul_precision`): "highest"/"float32" gives exact fp32 dots, anything else
@@ -168,7 +174,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         raise NotImplementedError(
             f"float64 inputs are served by implementation='xla' only (the golden reference), "
             f"not {implementation!r}")
-    if implementation == "pallas_triton" and (reason := pallas_triton_unsupported_reason()):
+    if implementation in ("pallas_triton", "mosaic_gpu") and (reason := pallas_triton_unsupported_reason()):
         raise NotImplementedError(f"implementation='pallas_triton' cannot serve this call: {reason}")
     spec = AttentionSpec(
         scale=head_dim ** -0.5 if scale is None else scale,

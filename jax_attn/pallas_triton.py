@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_attn import mosaic_gpu
 from jax_attn.rope import inverse_frequencies
 from jax_attn.spec import AttentionSpec, block_ranges, visible
 
@@ -113,6 +114,7 @@ class _Static:
     kv_len: int
     interpret: bool
     rope_arange: bool = False  # RoPE at positions arange: tile cos/sin by angle addition
+    mosaic: mosaic_gpu.MosaicBlocks | None = None  # the forward on the Mosaic GPU kernel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,7 +355,8 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     inv_l_ref[...] = jnp.where(empty, 0.0, inv_l)
 
 
-def _fwd_call(st: _Static, q, k, v, side, ranges):
+def _fwd_call(st: _Static, q, k, v, side, ranges, *, differentiated: bool):
+    """-> out, lse, m2, inv_l and, differentiated with RoPE, q rotated (for the backward)."""
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -368,7 +371,7 @@ def _fwd_call(st: _Static, q, k, v, side, ranges):
         *side_specs,
     ]
     q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-    rotated = st.spec.rope is not None
+    rotated = differentiated and st.spec.rope is not None
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st),
         grid=(q_pad // bq, batch, num_heads),  # query blocks fastest: neighbours share K/V in L2
@@ -553,14 +556,24 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
 # ----------------------------------------------------------------------------------------------
 
 
+def _forward(st: _Static, q, k, v, side, ranges, *, differentiated: bool):
+    """The forward kernel the call asked for -> out, lse, m2, inv_l[, q rotated]."""
+    if st.mosaic is None:
+        return _fwd_call(st, q, k, v, side, ranges, differentiated=differentiated)
+    out, lse2 = mosaic_gpu.flash_forward(q, k, v, st.spec, st.kv_len, st.mosaic)
+    # the backward recomputes P = exp2(s2 - m2) * inv_l: from lse2, m2 = lse2 and inv_l = 1
+    empty = lse2 == -jnp.inf
+    return out, lse2 / LOG2E, jnp.where(empty, jnp.inf, lse2), jnp.where(empty, 0.0, 1.0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse, *_ = _fwd_call(st, q, k, v, side, fwd_ranges)
+    out, lse, *_ = _forward(st, q, k, v, side, fwd_ranges, differentiated=False)
     return out, lse
 
 
 def _flash_fwd(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse, m2, inv_l, *q_rot = _fwd_call(st, q, k, v, side, fwd_ranges)
+    out, lse, m2, inv_l, *q_rot = _forward(st, q, k, v, side, fwd_ranges, differentiated=True)
     q = q_rot[0] if q_rot else q  # with RoPE the backward needs q only rotated
     return (out, lse), (q, k, v, side, dq_ranges, dkdv_ranges, out, m2, inv_l)
 
@@ -602,13 +615,18 @@ def _side_info(fields, length, seg):
 
 
 def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None,
-                           blocks: BlockSizes | None = None, interpret: bool | None = None):
+                           blocks: BlockSizes | None = None, interpret: bool | None = None,
+                           forward: str = "triton", mosaic_blocks: mosaic_gpu.MosaicBlocks | None = None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (validated) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]).
 
     Segment ids [B, Sq]/[B, Sk] when spec.has_segments; RoPE positions [B, Sq]/[B, Sk] when
     spec.rope. Pads the head dim to a power of two and the sequences to tile multiples (zeros;
     padded keys are masked, padded rows sliced off), so any shape runs on one kernel family.
+    forward="mosaic_gpu" runs the forward on `mosaic_gpu.flash_forward` (Hopper; raises where it
+    cannot serve the call), the backward stays these kernels.
     """
+    if forward not in ("triton", "mosaic_gpu"):
+        raise ValueError(f"forward must be 'triton' or 'mosaic_gpu', got {forward!r}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     batch, q_len, _, head_dim = q.shape
@@ -623,6 +641,13 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     blocks = blocks.fitted(q_len, kv_len)
     tile_q = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
     tile_k = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
+    if forward == "mosaic_gpu":
+        if reason := mosaic_gpu.unsupported_reason(spec, head_pad, q.dtype):
+            raise NotImplementedError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
+        mosaic_blocks = mosaic_blocks or mosaic_gpu.default_mosaic_blocks(head_pad)
+        tile_q, tile_k = max(tile_q, mosaic_blocks.q_tile), max(tile_k, mosaic_blocks.block_kv)
+    else:
+        mosaic_blocks = None
     q_pad, kv_pad = pl.cdiv(q_len, tile_q) * tile_q, pl.cdiv(kv_len, tile_k) * tile_k
 
     qp = _pad_axis(_pad_head_dim(q, spec, head_pad, True), 1, q_pad)
@@ -642,7 +667,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
         kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad, mode="edge")
 
     st = _Static(spec, blocks, q_len, kv_len, interpret,
-                 rope_arange=spec.rope is not None and q_pos is None)
+                 rope_arange=spec.rope is not None and q_pos is None, mosaic=mosaic_blocks)
 
     def ranges(bq, bk, key_major):
         return block_ranges(spec, q_len, kv_len, bq, bk, q_pad // bq, kv_pad // bk,

@@ -1,0 +1,88 @@
+"""implementation="mosaic_gpu": the Hopper forward (Pallas Mosaic GPU, `jax_attn.mosaic_gpu`) with
+the engine's Pallas Triton backward.
+
+CPU: no interpreter runs a Mosaic GPU kernel here, so the kernel is lowered for CUDA (which traces
+it through this jax's Mosaic GPU API) and the call is refused with its reason. Tests marked `gpu`
+(sm90) run it against the float64 golden, forward and gradients."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_attn import flash_attention, mosaic_gpu
+from jax_attn.rope import Rope
+from jax_attn.spec import AttentionSpec
+from jax_golden import _inputs, _run, check_against_golden
+
+
+@pytest.mark.parametrize("causal, head_dim, seq, kv_len, group", [
+    (False, 128, 256, 256, 1), (True, 128, 256, 200, 2), (True, 64, 384, 384, 4), (False, 64, 256, 130, 1)])
+def test_kernel_lowers_for_cuda(causal, head_dim, seq, kv_len, group):
+    spec = AttentionSpec(scale=head_dim ** -0.5, causal=causal)
+    blocks = mosaic_gpu.default_mosaic_blocks(head_dim)
+    q = jax.ShapeDtypeStruct((2, seq, 2 * group, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: mosaic_gpu.flash_forward(q, k, v, spec, kv_len, blocks))
+    text = f.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(window=(4, 0)), "window"), (dict(softcap=5.0), "softcap"), (dict(rope=Rope()), "rope"),
+    (dict(segment_ids=jnp.zeros((1, 64), jnp.int32)), "segment_ids")])
+def test_refuses_what_it_does_not_serve(kw, needle):
+    x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=needle):
+        flash_attention(x, x, x, implementation="mosaic_gpu", **kw)
+
+
+def test_refuses_dtype_head_dim_and_device():
+    spec = AttentionSpec(scale=1.0)
+    assert "float16 or bfloat16" in mosaic_gpu.unsupported_reason(spec, 128, jnp.float32)
+    assert "head dims" in mosaic_gpu.unsupported_reason(spec, 256, jnp.bfloat16)
+    if jax.default_backend() == "cpu":
+        x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+        with pytest.raises(NotImplementedError, match="Hopper"):
+            flash_attention(x, x, x, implementation="mosaic_gpu")
+
+
+def test_blocks_validated():
+    with pytest.raises(ValueError, match="multiples of 64"):
+        mosaic_gpu.MosaicBlocks(block_q=32)
+    with pytest.raises(ValueError, match="stages"):
+        mosaic_gpu.MosaicBlocks(stages=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled on a Hopper GPU (make test-gpu).
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    ((2, 1024, 1024, 8, 8, 128), jnp.bfloat16, dict(causal=True)),
+    ((2, 1024, 1024, 8, 2, 128), jnp.float16, {}),
+    ((1, 1000, 1000, 4, 2, 64), jnp.bfloat16, dict(causal=True)),  # ragged: padded rows and keys
+    ((1, 777, 1111, 4, 1, 96), jnp.bfloat16, {}),  # Sq != Sk, head dim padded to 128
+    ((1, 1111, 777, 4, 4, 128), jnp.bfloat16, dict(causal=True)),  # rows past Sk see every key
+    ((1, 300, 300, 2, 1, 40), jnp.float16, dict(causal=True, scale=0.3)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype, kw", GPU_CASES, ids=lambda x: str(x))
+def test_gpu_against_golden(shape, dtype, kw):
+    assert jax.default_backend() == "gpu", "gpu tests need a GPU"
+    check_against_golden(shape, dtype=dtype, implementation="mosaic_gpu", **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_and_close_to_triton_forward():
+    rng = np.random.default_rng(3)
+    q, k, v, do = _inputs(rng, 2, 2048, 2048, 8, 2, 128)
+    runs = [_run(q, k, v, do, jnp.bfloat16, "mosaic_gpu", causal=True) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+    triton = _run(q, k, v, do, jnp.bfloat16, "pallas_triton", causal=True)
+    np.testing.assert_allclose(runs[0][1], triton[1], atol=1e-4)  # lse, fp32
+    assert np.abs(runs[0][0] - triton[0]).max() <= 2 ** -7  # out: a bf16 rounding apart at most
