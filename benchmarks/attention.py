@@ -104,7 +104,8 @@ SMOKE_SHAPES = [(1, 256, 2, 64)]
 IMPLS = {
     "jax_cudnn": ("jax", "cudnn", "jax", "cuDNN(jax)"),
     "jax_xla": ("jax", "xla", "jax", "XLA"),
-    "jax_attn": ("jax_attn", "pallas_triton", "jax", "ours"),
+    "jax_attn": ("jax_attn", "default", "jax", "ours"),
+    "jax_attn_triton": ("jax_attn", "pallas_triton", "jax", "ours (Triton fwd)"),
     "mha_tuned": ("jax_pallas_mha", "tuned_bq128_bk128_w8_s3", "jax", "mha tuned"),
     "mha_default": ("jax_pallas_mha", "default", "jax", "mha default"),
     "torch_flash": ("torch", "sdpa_flash", "torch", "torch flash"),
@@ -253,14 +254,20 @@ def jax_candidates(name: str, causal: bool, D: int, mode: str, smoke: bool):
         def f(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
         return [("xla", "", f)]
-    if name == "jax_attn":
+    if name in ("jax_attn", "jax_attn_triton"):
         import jax_attn  # ImportError -> errored row
-        impl = "xla" if smoke else "pallas_triton"
+        if smoke:
+            impl = "xla"
+        elif name == "jax_attn":  # what implementation=None picks for this call
+            impl = jax_attn.default_implementation(jax_attn.AttentionSpec(scale=D ** -0.5, causal=causal), D,
+                                                   jnp.bfloat16)
+        else:
+            impl = "pallas_triton"
 
         def f(q, k, v):
             out = jax_attn.flash_attention(q, k, v, causal=causal, implementation=impl)
             return out[0] if isinstance(out, (tuple, list)) else out
-        note = "cpu-smoke: implementation='xla'" if smoke else ""
+        note = "cpu-smoke: implementation='xla'" if smoke else f"implementation={impl!r}"
         return [(impl, note, f)]
     if name in ("mha_tuned", "mha_default"):
         mod = _mha_module()

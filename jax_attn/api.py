@@ -26,10 +26,17 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 }
 
 
-def default_implementation() -> str:
+def default_implementation(spec: AttentionSpec | None = None, head_dim: int | None = None,
+                           dtype=None) -> str:
     """The rule for implementation=None: the Pallas engine wherever Pallas Triton runs — compiled
-    on NVIDIA sm80+ GPUs, through the interpreter on CPU; "xla" anywhere else (e.g. TPU)."""
-    return "pallas_triton" if pallas_triton_unsupported_reason() is None else "xla"
+    on NVIDIA sm80+ GPUs, through the interpreter on CPU; "xla" anywhere else (e.g. TPU). Given
+    the call (spec, head dim, dtype), "mosaic_gpu" where its Hopper forward serves it (1.2-1.3x
+    the Triton forward on an H100; `benchmarks/attention.py`)."""
+    if pallas_triton_unsupported_reason() is not None:
+        return "xla"
+    if spec is not None and mosaic_gpu.unsupported_reason(spec, head_dim, dtype) is None:
+        return "mosaic_gpu"
+    return "pallas_triton"
 
 
 def _check_arrays(q, k, v):
@@ -165,8 +172,12 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     q_pos, kv_pos = _check_rope(rope, positions, batch, q_len, kv_len, head_dim)
     softcap = _check_positive("softcap", softcap)
     scale = _check_positive("scale", scale)
+    spec = AttentionSpec(
+        scale=head_dim ** -0.5 if scale is None else scale,
+        causal=bool(causal), window_left=left, window_right=right, softcap=softcap,
+        has_segments=q_ids is not None, precision=_fp32_precision(q.dtype), rope=rope)
     if implementation is None:
-        implementation = default_implementation()
+        implementation = default_implementation(spec, head_dim, q.dtype)
     if implementation not in IMPLEMENTATIONS:
         raise NotImplementedError(
             f"unknown implementation={implementation!r}; choose one of {sorted(IMPLEMENTATIONS)} or None")
@@ -175,11 +186,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
             f"float64 inputs are served by implementation='xla' only (the golden reference), "
             f"not {implementation!r}")
     if implementation in ("pallas_triton", "mosaic_gpu") and (reason := pallas_triton_unsupported_reason()):
-        raise NotImplementedError(f"implementation='pallas_triton' cannot serve this call: {reason}")
-    spec = AttentionSpec(
-        scale=head_dim ** -0.5 if scale is None else scale,
-        causal=bool(causal), window_left=left, window_right=right, softcap=softcap,
-        has_segments=q_ids is not None, precision=_fp32_precision(q.dtype), rope=rope)
+        raise NotImplementedError(f"implementation={implementation!r} cannot serve this call: {reason}")
     out, lse = IMPLEMENTATIONS[implementation](q, k, v, q_ids, kv_ids, spec, q_pos=q_pos, kv_pos=kv_pos)
     return (out, lse) if return_lse else out
 

@@ -64,7 +64,12 @@ def default_mosaic_blocks(head_dim: int) -> MosaicBlocks:
     return MosaicBlocks(64, 128, 2 if head_dim > 64 else 3)
 
 
-def unsupported_reason(spec: AttentionSpec, head_pad: int, dtype) -> str | None:
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the engine pads to without RoPE (a power of two >= 16)."""
+    return max(16, 1 << max(0, head_dim - 1).bit_length())
+
+
+def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
     """Why the Mosaic GPU forward cannot serve this call, or None if it can."""
     features = [name for name, used in (
         ("window", spec.window_left is not None or spec.window_right is not None),
@@ -74,8 +79,8 @@ def unsupported_reason(spec: AttentionSpec, head_pad: int, dtype) -> str | None:
         return f"the Mosaic GPU forward serves plain (causal or not) attention, not {', '.join(features)}"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return f"the Mosaic GPU forward takes float16 or bfloat16, not {jnp.dtype(dtype)}"
-    if head_pad not in HEAD_DIMS:
-        return f"the Mosaic GPU forward serves head dims up to 128 (padded to {HEAD_DIMS}), got padded {head_pad}"
+    if padded_head_dim(head_dim) not in HEAD_DIMS:
+        return f"the Mosaic GPU forward serves head dims 33 to 128 (padded to {HEAD_DIMS}), got {head_dim}"
     info = device_info()
     if info.platform != "gpu" or not info.compute_capability or info.compute_capability[0] != 9:
         return (f"the Mosaic GPU forward needs a Hopper (sm90) GPU, this is {info.platform} "
@@ -92,7 +97,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, free, *, blocks: M
     num_kv = k_ref.shape[1] // bkv
     ragged = kv_len % bkv != 0  # the last key block holds padding: masked
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    pair_first = lax.axis_index("q_tiles") * blocks.q_tile
+    tile = lax.axis_index("q_tiles")
+    if causal:  # the last rows see the most keys: launch them first, the light tiles fill the tail
+        tile = q_ref.shape[1] // blocks.q_tile - 1 - tile
+    pair_first = tile * blocks.q_tile
 
     def steps_for(end_row):  # key blocks that rows < end_row see
         return jnp.minimum(pl.cdiv(end_row, bkv), num_kv) if causal else num_kv

@@ -642,7 +642,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     tile_q = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
     tile_k = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
     if forward == "mosaic_gpu":
-        if reason := mosaic_gpu.unsupported_reason(spec, head_pad, q.dtype):
+        if reason := mosaic_gpu.unsupported_reason(spec, head_dim, q.dtype):
             raise NotImplementedError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
         mosaic_blocks = mosaic_blocks or mosaic_gpu.default_mosaic_blocks(head_pad)
         tile_q, tile_k = max(tile_q, mosaic_blocks.q_tile), max(tile_k, mosaic_blocks.block_kv)

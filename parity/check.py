@@ -3,7 +3,7 @@
 For every case of `parity.cases`: seeded NumPy inputs and cotangent go to both frameworks; the
 golden is the plain reference in float64 (torch eager; the JAX plain reference in float64 must agree
 with it to 1e-10, a check of its own); each implementation (JAX pallas_triton, JAX xla, torch triton,
-torch eager) is compared on out, lse, dq, dk, dv with the tolerance rule of `parity.tolerance`, the
+torch eager, and on Hopper JAX mosaic_gpu for the cases it serves) is compared on out, lse, dq, dk, dv with the tolerance rule of `parity.tolerance`, the
 naive error being that of its own framework's plain reference in the compute dtype.
 Then the layer cases of `parity.layers` (variant "layers": Flax layers against their torch twins,
 every parameter gradient, a 20-step training run), through `check_layer_case`.
@@ -75,11 +75,11 @@ def run_jax(case: Case, implementation: str, dtype: str, inputs):
 
         def f(q, k, v, decay):
             return jax_attn.stick_breaking_attention(q, k, v, decay=decay, return_remainder=True,
-                                                     implementation=implementation, **case.call_kwargs(), **extra)
+                                                     implementation=implementation, **case.call_kwargs("jax"), **extra)
     else:
         def f(q, k, v):
             return jax_attn.flash_attention(q, k, v, segment_ids=ints(seg), return_lse=True,
-                                            implementation=implementation, **case.call_kwargs(), **extra)
+                                            implementation=implementation, **case.call_kwargs("jax"), **extra)
 
     (out, stat), vjp = jax.vjp(jax.jit(f), *args)
     grads = vjp((cast(do), jnp.asarray(dstat, stat_dtype)))
@@ -118,6 +118,15 @@ def _golden_disagreement(a, b) -> float:
     return float(np.max(np.abs(a[finite] - b[finite]), initial=0.0))
 
 
+def _mosaic_serves(case: Case) -> bool:
+    """Whether implementation="mosaic_gpu" serves the case here: a Hopper GPU, 16-bit plain or
+    causal attention (no segments, window, softcap or RoPE), head dim 33 to 128."""
+    on_hopper = jax_attn.mosaic_gpu.unsupported_reason(jax_attn.AttentionSpec(scale=1.0), 128, jnp.bfloat16) is None
+    return (on_hopper and case.variant == "standard" and case.dtype in ("float16", "bfloat16")
+            and case.segments is None and set(case.call_kwargs("jax")) <= {"causal", "scale"}
+            and 32 < case.shape[5] <= 128)
+
+
 def check_case(case: Case, device) -> list[dict]:
     """Rows of the report for one case: one per (implementation, quantity)."""
     inputs = case.draw()
@@ -138,6 +147,8 @@ def check_case(case: Case, device) -> list[dict]:
             "torch triton": ("torch", lambda: run_torch(case, "triton", case.dtype, inputs, device)),
             "torch eager": ("torch", lambda: naive["torch"]),
         }
+        if _mosaic_serves(case):
+            results["jax mosaic_gpu"] = ("jax", lambda: run_jax(case, "mosaic_gpu", case.dtype, inputs))
         for impl, (framework, run) in results.items():
             t0 = time.time()
             try:

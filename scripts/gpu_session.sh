@@ -21,7 +21,7 @@ print('warnings seen after the library filter:', [(type(i.message).__name__, str
 " 2>&1 | tail -5
 fi
 if has tests; then  # GPU tests, one pytest per file in parallel (compilation is CPU-bound)
-  for f in ${GPU_TEST_FILES:-tests/test_jax_stick_breaking.py tests/test_torch_stick_breaking.py tests/test_jax_flash.py tests/test_jax_rope.py tests/test_torch_ref.py tests/test_torch_rope.py}; do
+  for f in ${GPU_TEST_FILES:-tests/test_jax_stick_breaking.py tests/test_torch_stick_breaking.py tests/test_jax_flash.py tests/test_jax_mosaic.py tests/test_jax_rope.py tests/test_torch_ref.py tests/test_torch_rope.py}; do
     n=$(basename "$f" .py)
     timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "$f" -p no:cacheprovider > "$OUT/gpu-$n.txt" 2>&1 &
   done

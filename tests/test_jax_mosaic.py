@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_attn
 from jax_attn import flash_attention, mosaic_gpu
 from jax_attn.rope import Rope
 from jax_attn.spec import AttentionSpec
@@ -41,7 +42,10 @@ def test_refuses_what_it_does_not_serve(kw, needle):
 def test_refuses_dtype_head_dim_and_device():
     spec = AttentionSpec(scale=1.0)
     assert "float16 or bfloat16" in mosaic_gpu.unsupported_reason(spec, 128, jnp.float32)
-    assert "head dims" in mosaic_gpu.unsupported_reason(spec, 256, jnp.bfloat16)
+    assert "head dims" in mosaic_gpu.unsupported_reason(spec, 129, jnp.bfloat16)
+    assert "head dims" in mosaic_gpu.unsupported_reason(spec, 32, jnp.bfloat16)
+    assert jax_attn.default_implementation(spec, 128, jnp.bfloat16) == (
+        "mosaic_gpu" if mosaic_gpu.unsupported_reason(spec, 128, jnp.bfloat16) is None else "pallas_triton")
     if jax.default_backend() == "cpu":
         x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
         with pytest.raises(NotImplementedError, match="Hopper"):
