@@ -74,7 +74,7 @@ def _check_decay(decay, num_heads, dtype):
 
 def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, rope: Rope | None = None,
                              positions=None, return_remainder: bool = False,
-                             implementation: str | None = None, deterministic: bool = True):
+                             implementation: str | None = None):
     """Stick-breaking attention (ExpoSB), strictly causal: token i attends to keys j < i.
 
     Args:
@@ -89,12 +89,6 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
         (1 on row 0, which has no key; its output is 0). Differentiable.
       implementation: None (the Pallas kernels where Pallas Triton runs, else "xla"),
         "pallas_triton" or "xla" (plain jnp, [B, Hq, S, S] in memory).
-      deterministic: which backward the Pallas kernels use. True (default): two kernels, no
-        atomics, bitwise reproducible gradients. False: one fused kernel that computes the tile
-        math once and adds dK/dV atomically in fp32, so dK/dV may differ in the last bits from run
-        to run (dQ and d decay do not); same accuracy bound. The forward is the same either way.
-        "xla" is deterministic whatever this says (autodiff, no atomics): False is accepted there
-        and changes nothing.
 
     Returns: out [B, S, Hq, D] in q.dtype, or (out, rem).
     """
@@ -106,9 +100,6 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
     pos, _ = api._check_rope(rope, positions, batch, seq_len, seq_len, head_dim)
     scale = api._check_positive("scale", scale)
     decay = _check_decay(decay, num_heads, q.dtype)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got deterministic={deterministic!r} "
-                        f"({type(deterministic).__name__})")
     if implementation is None:
         implementation = api.default_implementation()
     if implementation not in IMPLEMENTATIONS:
@@ -120,6 +111,5 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
         raise NotImplementedError(f"implementation='pallas_triton' cannot serve this call: {reason}")
     spec = AttentionSpec(scale=head_dim ** -0.5 if scale is None else scale, causal=True,
                          precision=api._fp32_precision(q.dtype), rope=rope)
-    options = dict(deterministic=bool(deterministic)) if implementation == "pallas_triton" else {}
-    out, rem = IMPLEMENTATIONS[implementation](q, k, v, decay, spec, pos=pos, **options)
+    out, rem = IMPLEMENTATIONS[implementation](q, k, v, decay, spec, pos=pos)
     return (out, rem) if return_remainder else out

@@ -16,19 +16,10 @@ Backward. With g_ij = A_ij (dO_i . v_j) and sigma = sigmoid(z):
 Two running row sums are needed: the softplus sum from the right (for A) and the g sum from the
 left (for dz). Each is summed in its own direction, never as a total minus a partial sum, whose
 cancellation costs fp32 gradients (the decay gradient weighs far keys by i - j) digits. So the
-forward (walking leftwards) stores its softplus sums at every key-block boundary
-([B, H, key blocks, S] fp32) and the dQ kernel (one program per query block) walks rightwards,
-reading them. Two modes (`deterministic`, a static flag of the custom_vjp):
-- deterministic=True (default), two kernels, no atomics, bitwise reproducible: the dQ kernel also
-  stores its g sums at every key-block boundary, and the dK/dV kernel (one program per key block
-  and kv head, looping over query blocks and the GQA group in one flat loop) reads both boundary
-  arrays and recomputes every tile (softplus, sigma, A and both scans) a second time.
-- deterministic=False, one fused kernel: the dQ kernel's walk, which has A, sigma and dz of each
-  tile already, also adds the tile's dK/dV contributions (dv += A^T dO, dk += dz^T q~) into fp32
-  [B, S, Hkv, D] buffers with atomic adds (every query head of a GQA group into its kv head's
-  buffer). The tile math runs once, not twice; no g-sum array, no dK/dV kernel. The order of the
-  atomic adds varies from run to run, so dK/dV may differ in the last bits between runs (dQ and
-  d decay do not). An XLA epilogue casts the sums to the input dtype (with RoPE rotating dK back).
+forward (walking leftwards) stores its softplus sums at every key-block boundary, the dQ kernel
+walks rightwards, reads them and stores its g sums, and the dK/dV kernel (one program per key
+block and kv head, looping over query blocks and the GQA group in one flat loop) reads both
+([B, H, key blocks, S] fp32 each). No atomics: deterministic.
 The tile math is shared with the softmax engine (`pallas_triton`): RoPE feature parts, dots.
 """
 from __future__ import annotations
@@ -42,22 +33,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.pallas_triton import (
-    LOG2E, MIN_BLOCK, _columns, _dot, _interleaved, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least,
-    _rope_cos_sin, _rotate, _side_specs_and_args, _store_parts, _unpack, rope_tables)
-from jax_attn.rope import merge_pairs, split_pairs
+    LOG2E, MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least, _rope_cos_sin, _rotate,
+    _side_specs_and_args, _store_parts, _unpack, rope_tables)
 from jax_attn.spec import AttentionSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class StickBreakingBlocks:
     """Tiles: block_q rows (forward, dQ), block_k keys everywhere (the boundary arrays are per
-    key block, so dQ and dK/dV share it), block_q_dkv rows per dK/dV step; num_warps and
-    num_stages for every kernel.
-
-    The fused backward (deterministic=False) is the dQ kernel with dK/dV added in: it reads
-    block_q, block_k, num_warps and num_stages (shared with the forward) and ignores block_q_dkv.
-    Its atomic traffic per (batch, head) is (S / block_q) * (S / 2) * D * 8 bytes (fp32 dK and
-    dV), so a larger block_q amortises the atomics."""
+    key block, so dQ and dK/dV share it), block_q_dkv rows per dK/dV step."""
 
     block_q: int = 64
     block_k: int = 64
@@ -91,7 +75,6 @@ class _Static:
     blocks: StickBreakingBlocks
     interpret: bool
     fast: bool  # 16-bit inputs: base-2 logs with single-MUFU exp2/log2 (see `_stick`)
-    deterministic: bool = True  # False: the fused backward, dK/dV by atomic adds (module docstring)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,33 +258,10 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-def _dot_ta(a, b, spec):
-    """a.T @ b with fp32 accumulation ([n, r] x [n, c] -> [r, c]); fp32 operands follow spec.precision."""
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=spec.precision,
-                               preferred_element_type=jnp.float32)
-
-
-def _atomic_add_parts(ref, rows, parts, spec, head_dim):
-    """ref[rows, :] += parts (feature parts as `_store_parts` lays them out), as atomic adds."""
-    if _interleaved(spec):  # pairs rejoined in registers, one contiguous add (as `_store_parts`)
-        x = jnp.stack(parts, axis=-1)
-        plgpu.atomic_add(ref, (rows, slice(None)), x.reshape(*x.shape[:-2], head_dim))
-        return
-    for c, x in zip(_columns(spec, head_dim), parts):
-        plgpu.atomic_add(ref, (rows, c), x)
-
-
-def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st: _Static, fused: bool):
-    """dQ and the per-row decay gradient, walking the key blocks rightwards. Deterministic mode:
-    also stores the g sums at every key-block boundary (for `_dkdv_kernel`). `fused`: instead
-    adds each tile's dK/dV contributions atomically into fp32 buffers (zeros aliased to the
-    outputs), reusing A, sigma and dz: the tile math runs once for the whole backward."""
+def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st: _Static):
+    """dQ and the per-row decay gradient; stores the g sums at every key-block boundary."""
     spec = st.spec
-    _, _, tables, out_refs = _unpack(refs, spec)
-    if fused:  # the zero buffers, then the outputs they alias: only the outputs are touched
-        _, _, dq_ref, ddecay_ref, dk_ref, dv_ref = out_refs
-    else:
-        dq_ref, ddecay_ref, g_ref = out_refs
+    _, _, tables, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
@@ -311,8 +271,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
 
     def body(block, carry, masked):
         g_left, ddecay, dq = carry
-        if not fused:
-            g_ref[block, :] = g_left
+        g_ref[block, :] = g_left
         start = pl.multiple_of(block * block_k, block_k)
         tile = pl.ds(start, block_k)
         k = _load_parts(k_ref, (tile,), spec, head_dim)
@@ -326,10 +285,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
         ddecay = ddecay - jnp.sum(dz * (rows - cols).astype(jnp.float32), axis=1)
         dz = dz.astype(k_ref.dtype)
         dq = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dq, k))
-        if fused:  # this tile's share of dV = A^T dO and of dK = dz^T q~ (scale and, with RoPE,
-            # the rotation back: in the epilogue, on the sums), as `_dkdv_kernel` rounds them
-            plgpu.atomic_add(dv_ref, (tile, slice(None)), _dot_ta(a.astype(do.dtype), do, spec))
-            _atomic_add_parts(dk_ref, tile, tuple(_dot_ta(dz, part, spec) for part in q), spec, head_dim)
         return g_left + g.sum(axis=1), ddecay, dq
 
     zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
@@ -389,53 +344,34 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st
 
 def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
     """g0 [B, H, S] = drem * rem; c_sums: the forward's softplus sums at key-block boundaries.
-    With RoPE q and k are rotated already (the forward's outputs); dQ and dK are rotated back.
-    st.deterministic: the dQ and dK/dV kernels; else the fused dQ kernel with atomic dK/dV."""
+    With RoPE q and k are rotated already (the forward's outputs); dQ and dK are rotated back."""
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     blocks = st.blocks
-    fused = not st.deterministic
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     bq, bk = blocks.block_q, blocks.block_k
     num_k_blocks = seq_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
 
-    # dQ (+ the per-row decay gradient, + the g sums at each key-block boundary or, fused, dK/dV)
+    # dQ (+ the per-row decay gradient, + the g sums at each key-block boundary)
     q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
     kv_full_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     boundary_spec = pl.BlockSpec((None, None, num_k_blocks, bq), lambda i, b, h: (b, h, 0, i))
     side = (None, None, table, table)
     side_specs, side_args = _side_specs_and_args(side, bq, lambda i, b, h: i, seq_pad, lambda *_: 0)
-    in_specs = [q_block_spec, kv_full_spec, kv_full_spec, decay_spec, q_block_spec, row_spec, boundary_spec,
-                *side_specs]
-    args = [q, k, v, decay, do, g0, c_sums, *side_args]
-    out_specs = [q_block_spec, row_spec]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)]
-    aliases = {}
-    if fused:  # fp32 dK/dV sums per kv head: zeros in, aliased to the outputs, added to atomically
-        sums = jax.ShapeDtypeStruct(k.shape, jnp.float32)
-        aliases = {len(args): 2, len(args) + 1: 3}
-        in_specs += [kv_full_spec] * 2
-        args += [jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)]
-        out_specs += [kv_full_spec] * 2
-        out_shape += [sums, sums]
-    else:
-        out_specs.append(boundary_spec)
-        out_shape.append(jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32))
-    outs = pl.pallas_call(
-        functools.partial(_dq_kernel, st=st, fused=fused),
+    boundary = jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32)
+    dq, ddecay, g_sums = pl.pallas_call(
+        functools.partial(_dq_kernel, st=st),
         grid=(seq_pad // bq, batch, num_heads),
-        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
-        compiler_params=params, interpret=st.interpret,
-        name="stick_breaking_bwd_fused" if fused else "stick_breaking_bwd_dq",
-    )(*args)
-    if fused:
-        dq, ddecay, dk_sum, dv_sum = outs
-        return dq, _dk_epilogue(dk_sum, table, st.spec, k.dtype), dv_sum.astype(v.dtype), ddecay
-    dq, ddecay, g_sums = outs
+        in_specs=[q_block_spec, kv_full_spec, kv_full_spec, decay_spec, q_block_spec, row_spec,
+                  boundary_spec, *side_specs],
+        out_specs=[q_block_spec, row_spec, boundary_spec],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32), boundary],
+        compiler_params=params, interpret=st.interpret, name="stick_breaking_bwd_dq",
+    )(q, k, v, decay, do, g0, c_sums, *side_args)
 
     # dK/dV: query-side arrays viewed per kv head
     q_group_spec = pl.BlockSpec((None, seq_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
@@ -455,20 +391,6 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
     )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums),
       *side_args)
     return dq, dk, dv, ddecay
-
-
-def _dk_epilogue(dk_sum, table, spec: AttentionSpec, dtype):
-    """The fused backward's fp32 dK sums [B, S, Hkv, D] -> dK in `dtype`: times scale and, with
-    RoPE, rotated back (R^T: by the negative angles at the key positions, the forward's table),
-    as `_dkdv_kernel` finishes its block. Plain XLA: one O(S*D) elementwise pass, which XLA
-    fuses with the cast (and dV's cast is one more such pass); the sums were accumulated in the
-    rotated frame, so the rotation cannot happen per tile in the kernel without rotating every
-    tile's contribution."""
-    if spec.rope is not None:
-        cos_sin = (table[:, 0, :, None, :], table[:, 1, :, None, :])  # [B, S, 1, D/2]
-        rotated = _rotate(split_pairs(dk_sum, spec.rope.style), cos_sin, jnp.float32, inverse=True)
-        dk_sum = merge_pairs(*rotated, spec.rope.style)
-    return (dk_sum * spec.scale).astype(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,15 +442,12 @@ _stick_breaking.defvjp(_stick_breaking_fwd, _stick_breaking_bwd)
 
 
 def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
-                          blocks: StickBreakingBlocks | None = None, interpret: bool | None = None,
-                          deterministic: bool = True):
+                          blocks: StickBreakingBlocks | None = None, interpret: bool | None = None):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D], decay [Hq] fp32 (validated) -> (out, rem [B, Hq, S]).
 
     pos [B, S] int32 RoPE positions when spec.rope (None: arange). Pads D to a power of two and S to a tile
     multiple with zeros: padded keys sit right of every real row (never seen), padded rows are
     sliced off and, with zero cotangents, add exactly zero to dK/dV.
-    deterministic=False: the fused backward with atomic dK/dV (module docstring); the forward is
-    the same either way.
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -537,13 +456,13 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     if blocks is None:
         blocks = default_stick_breaking_blocks(head_pad, interpret, q.dtype)
     blocks = blocks.fitted(seq_len)
-    tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv if deterministic else 0)
+    tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv)
     seq_pad = pl.cdiv(seq_len, tile) * tile
     qp = _pad_axis(_pad_head_dim(q, spec, head_pad, True), 1, seq_pad)
     kp = _pad_axis(_pad_head_dim(k, spec, head_pad, True), 1, seq_pad)
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
     decay_pad = _pad_axis(decay.astype(jnp.float32), 0, _pow2_at_least(decay.shape[0]))
-    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2, deterministic=deterministic)
+    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2)
     out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]

@@ -2,10 +2,9 @@
 
 A case names its variant ("standard" and "rope": `flash_attention`; "stick_breaking":
 `stick_breaking_attention`, Sq == Sk), its shape (B, Sq, Sk, Hq, Hkv, D), its compute dtype and
-the keyword arguments of the call (plus, `jax_kwargs`, options only the JAX function has, such as
-`deterministic=False`: the fused stick-breaking backward with atomic dK/dV). Inputs are drawn
-from the case's seed in NumPy, once, and handed to both frameworks. `gpu=True` cases (fp16/bf16
-and long sequences) run only where a GPU is present; `quick=True` cases form the `--quick` subset.
+the keyword arguments of the call. Inputs are drawn from the case's seed in NumPy, once, and handed to both
+frameworks. `gpu=True` cases (fp16/bf16 and long sequences) run only where a GPU is present;
+`quick=True` cases form the `--quick` subset.
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ class Case:
     seed: int = 0
     gpu: bool = False
     quick: bool = False
-    jax_kwargs: tuple[tuple[str, Any], ...] = ()  # JAX-only options; the torch twin has none of them
 
     @property
     def quantities(self) -> tuple[str, ...]:
@@ -42,10 +40,8 @@ class Case:
         """Stick-breaking decay: a float or a per-head tuple."""
         return dict(self.kwargs).get("decay", 0.0)
 
-    def call_kwargs(self, framework: str = "torch") -> dict:
-        """The call's keyword arguments for `framework` ("jax" adds `jax_kwargs`)."""
-        kwargs = {k: v for k, v in self.kwargs if k != "decay"}
-        return {**kwargs, **dict(self.jax_kwargs)} if framework == "jax" else kwargs
+    def call_kwargs(self) -> dict:
+        return {k: v for k, v in self.kwargs if k != "decay"}
 
     def draw(self):
         """Seeded inputs: q, k, v, cotangent do (float64 NumPy), cotangent of the row statistic
@@ -96,10 +92,9 @@ def _packed(rng, batch, seq_len):
 
 
 def _case(name, shape, dtype="float32", segments=None, gpu=False, quick=False, variant="standard",
-          rope=None, positions=None, jax_kwargs=None, **kwargs):
+          rope=None, positions=None, **kwargs):
     return Case(name, variant, shape, dtype, tuple(sorted(kwargs.items())), segments, rope,
-                positions, seed=zlib.crc32(name.encode()), gpu=gpu, quick=quick,
-                jax_kwargs=tuple(sorted((jax_kwargs or {}).items())))
+                positions, seed=zlib.crc32(name.encode()), gpu=gpu, quick=quick)
 
 
 def _rope_case(name, shape, style, dtype="float32", **kwargs):
@@ -157,12 +152,4 @@ CASES: list[Case] = [
              decay=(0.0, 0.001, 0.01, 0.1), gpu=True),
     _sb_case("sb_fp16_1k_d64", (2, 1000, 8, 8, 64), "float16", decay=0.01, gpu=True),
     _sb_case("sb_fp32_1k", (1, 1024, 4, 2, 128), gpu=True),
-    # The fused stick-breaking backward (JAX deterministic=False: dK/dV by atomic adds) against
-    # the same golden and the same torch twin.
-    _sb_case("sb_atomic_gqa_rope", (1, 77, 4, 2, 32), rope=("half", 10000.0), decay=(0.0, 0.02, 0.1, 0.5),
-             jax_kwargs=dict(deterministic=False)),
-    _sb_case("sb_atomic_fp16_mqa_interleaved", (1, 64, 4, 1, 64), "float16", rope=("interleaved", 500.0),
-             decay=0.01, jax_kwargs=dict(deterministic=False)),
-    _sb_case("sb_atomic_bf16_2k_gqa_rope", (2, 2048, 8, 2, 128), "bfloat16", rope=("half", 10000.0),
-             decay=0.01, jax_kwargs=dict(deterministic=False), gpu=True),
 ]

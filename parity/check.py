@@ -3,7 +3,8 @@
 For every case of `parity.cases`: seeded NumPy inputs and cotangent go to both frameworks; the
 golden is the plain reference in float64 (torch eager; the JAX plain reference in float64 must agree
 with it to 1e-10, a check of its own); each implementation (JAX pallas_triton, JAX xla, torch triton,
-torch eager, and on Hopper JAX mosaic_gpu for the cases it serves) is compared on out, lse, dq, dk, dv with the tolerance rule of `parity.tolerance`, the
+torch eager; on Hopper also JAX mosaic_gpu, for the cases it serves) is compared on out, lse, dq,
+dk, dv with the tolerance rule of `parity.tolerance`, the
 naive error being that of its own framework's plain reference in the compute dtype.
 Then the layer cases of `parity.layers` (variant "layers": Flax layers against their torch twins,
 every parameter gradient, a 20-step training run), through `check_layer_case`.
@@ -75,11 +76,11 @@ def run_jax(case: Case, implementation: str, dtype: str, inputs):
 
         def f(q, k, v, decay):
             return jax_attn.stick_breaking_attention(q, k, v, decay=decay, return_remainder=True,
-                                                     implementation=implementation, **case.call_kwargs("jax"), **extra)
+                                                     implementation=implementation, **case.call_kwargs(), **extra)
     else:
         def f(q, k, v):
             return jax_attn.flash_attention(q, k, v, segment_ids=ints(seg), return_lse=True,
-                                            implementation=implementation, **case.call_kwargs("jax"), **extra)
+                                            implementation=implementation, **case.call_kwargs(), **extra)
 
     (out, stat), vjp = jax.vjp(jax.jit(f), *args)
     grads = vjp((cast(do), jnp.asarray(dstat, stat_dtype)))
@@ -123,7 +124,7 @@ def _mosaic_serves(case: Case) -> bool:
     causal attention (no segments, window, softcap or RoPE), head dim 33 to 128."""
     on_hopper = jax_attn.mosaic_gpu.unsupported_reason(jax_attn.AttentionSpec(scale=1.0), 128, jnp.bfloat16) is None
     return (on_hopper and case.variant == "standard" and case.dtype in ("float16", "bfloat16")
-            and case.segments is None and set(case.call_kwargs("jax")) <= {"causal", "scale"}
+            and case.segments is None and set(case.call_kwargs()) <= {"causal", "scale"}
             and 32 < case.shape[5] <= 128)
 
 
