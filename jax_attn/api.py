@@ -20,7 +20,7 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 # name -> fn(q, k, v, q_seg, kv_seg, spec, *, q_pos, kv_pos) -> (out, lse). Adding a backend = one entry.
 IMPLEMENTATIONS: dict[str, Callable] = {
     "pallas_triton": pallas_triton.flash_attention_pallas,
-    # the forward on the Hopper kernel (`mosaic_gpu`), the backward on the Pallas Triton engine
+    # the Hopper kernels (`mosaic_gpu`), wired through the engine's padding and custom_vjp
     "mosaic_gpu": functools.partial(pallas_triton.flash_attention_pallas, forward="mosaic_gpu"),
     "xla": xla.attention_reference,
 }
@@ -30,8 +30,8 @@ def default_implementation(spec: AttentionSpec | None = None, head_dim: int | No
                            dtype=None) -> str:
     """The rule for implementation=None: the Pallas engine wherever Pallas Triton runs — compiled
     on NVIDIA sm80+ GPUs, through the interpreter on CPU; "xla" anywhere else (e.g. TPU). Given
-    the call (spec, head dim, dtype), "mosaic_gpu" where its Hopper forward serves it (1.2-1.3x
-    the Triton forward on an H100; `benchmarks/attention.py`)."""
+    the call (spec, head dim, dtype), "mosaic_gpu" where its Hopper kernels serve it (faster than
+    the Triton engine on an H100; `benchmarks/attention.py`)."""
     if pallas_triton_unsupported_reason() is not None:
         return "xla"
     if spec is not None and mosaic_gpu.unsupported_reason(spec, head_dim, dtype) is None:
@@ -152,8 +152,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         visible key). The lse output is differentiable.
       implementation: None (see `default_implementation`), "pallas_triton", "mosaic_gpu" (Hopper
         GPUs; plain or causal 16-bit attention without window, softcap, segments or RoPE, D <= 128:
-        a warp-specialised TMA/wgmma forward, the Pallas Triton backward; raises on anything
-        else) or "xla".
+        warp-specialised TMA/wgmma kernels, forward and backward; raises on anything else) or
+        "xla".
 
     Float32 inputs use the matmul precision JAX is configured with
     (`jax.default_matmul_precision`): "highest"/"float32" gives exact fp32 dots, anything else

@@ -1,26 +1,30 @@
-"""The softmax forward as a Pallas Mosaic GPU kernel for Hopper (sm90): TMA loads, wgmma, and
-warp specialisation, after FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608).
+"""The softmax attention as Pallas Mosaic GPU kernels for Hopper (sm90): TMA loads, wgmma and warp
+specialisation, after FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608). Forward, dQ, dK/dV.
 
-Why a second forward: the Triton lowering keeps one warpgroup doing loads, matmuls and the
-softmax in turn and reaches 0.73-0.78x cuDNN at head dim 128 on an H100. Here a CTA holds three
-warpgroups:
-  - two compute warpgroups, block_q query rows each: S = Q K^T and O += P V on wgmma (P from
-    registers), the online softmax in registers in base 2 with the scale folded into one FMA.
-    While one warpgroup does its softmax, the other's matmuls keep the tensor cores busy;
-  - one producer warpgroup: TMA copies of the K and V blocks into a ring of `stages` shared
-    memory slots; a slot is refilled once both compute warpgroups have released it.
-It serves the plain softmax (causal or not, GQA, any scale, 16-bit, padded head dim 64 or 128);
-`unsupported_reason` names what it does not. The backward stays the engine's (`pallas_triton`):
-this kernel returns lse in base 2, from which the backward recomputes P = exp2(s2 - lse2), which
-is exact enough for 16-bit gradients.
+Why a second implementation: the Triton lowering keeps one warpgroup doing loads, matmuls and the
+softmax in turn and reaches 0.73-0.78x cuDNN forward at head dim 128 on an H100. Here a CTA holds
+three warpgroups:
+  - two compute warpgroups, each owning a block (query rows for the forward and dQ, keys for
+    dK/dV), with the matmuls on wgmma (P and dS from registers) and the elementwise math in
+    registers, base 2 with the scale folded into one FMA. While one warpgroup does elementwise
+    work, the other's matmuls keep the tensor cores busy;
+  - one producer warpgroup streaming the other side's blocks (K, V or Q, dO) by TMA through a
+    ring of shared-memory slots (`_Ring`); a slot is refilled once both compute warpgroups
+    released it.
+The backward mirrors the engine's (`pallas_triton`): a dQ kernel and a dK/dV kernel looping over
+the GQA group's query heads, no atomics, deterministic; P is recomputed from the forward's lse in
+base 2 (P = exp2(s2 - lse2)), exact enough for 16-bit gradients.
+Serves the plain softmax (causal or not, GQA, any scale, 16-bit, padded head dim 64 or 128);
+`unsupported_reason` names what it does not.
 
-No interpreter runs this kernel on CPU (jax 0.10); it is lowered there by the tests and compiled
-and checked on the GPU.
+No interpreter runs these kernels on CPU (jax 0.10); the tests lower them there and run them on
+the GPU.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -45,17 +49,28 @@ class MosaicBlocks:
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
+    block_q_bwd: int = 64  # backward: query rows per warpgroup (dQ) and per streamed block (dK/dV)
+    block_kv_bwd: int = 64  # keys per warpgroup (dK/dV) and per streamed block (dQ)
+    stages_bwd: int = 2
 
     def __post_init__(self):
-        if self.block_q % WGMMA_ROWS or self.block_kv % WGMMA_ROWS:
-            raise ValueError(f"MosaicBlocks block_q={self.block_q}, block_kv={self.block_kv} must be "
-                             f"multiples of {WGMMA_ROWS}")
-        if self.stages < 2:
-            raise ValueError(f"MosaicBlocks.stages={self.stages} must be >= 2 (one slot loads while one computes)")
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+            if getattr(self, name) % WGMMA_ROWS:
+                raise ValueError(f"MosaicBlocks.{name}={getattr(self, name)} must be a multiple of {WGMMA_ROWS}")
+        for name in ("stages", "stages_bwd"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"MosaicBlocks.{name}={getattr(self, name)} must be >= 2 "
+                                 f"(one slot loads while one computes)")
 
     @property
     def q_tile(self) -> int:
         return 2 * self.block_q
+
+    @property
+    def tiles(self) -> tuple[int, int]:
+        """The multiples the query and key lengths are padded to."""
+        return (max(self.q_tile, 2 * self.block_q_bwd),
+                max(self.block_kv, 2 * self.block_kv_bwd))
 
 
 def default_mosaic_blocks(head_dim: int) -> MosaicBlocks:
@@ -88,12 +103,122 @@ def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
     return None
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, free, *, blocks: MosaicBlocks,
-            scale2: float, causal: bool, kv_len: int, group: int):
-    q_smem, k_smem, v_smem, lse_smem = smem
-    q_ready, k_ready, v_ready = ready
-    k_free, v_free = free
-    bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.stages
+class _Ring:
+    """A stream of blocks through `stages` shared-memory slots, per streamed array: the producer
+    warpgroup copies step t's blocks into slot t % stages (`ready[i]` fires when block i landed)
+    and refills a slot once both compute warpgroups released it (`free[i]`, two arrivals)."""
+
+    def __init__(self, slots, ready, free, stages: int):
+        self.slots, self.ready, self.free, self.stages = slots, ready, free, stages
+
+    def slot(self, t):
+        return lax.rem(t, self.stages)
+
+    def wait(self, t, i):
+        plgpu.barrier_wait(self.ready[i].at[self.slot(t)])
+        return self.slots[i].at[self.slot(t)]
+
+    def release(self, t, i):
+        plgpu.barrier_arrive(self.free[i].at[self.slot(t)])
+
+    def follow(self, lo, hi):
+        """Pass steps [lo, hi) without computing: the other warpgroup needs them (causal). Every
+        slot's release must count both warpgroups in order; an early release would let the
+        producer overwrite a slot the other warpgroup still reads."""
+        @pl.loop(lo, hi)
+        def _(t):
+            for i in range(len(self.slots)):
+                self.wait(t, i)
+                self.release(t, i)
+
+    def produce(self, sources, steps, max_steps: int):
+        """The producer warpgroup's loop; sources(t) -> the step's gmem blocks, one per array;
+        steps (traced) <= max_steps (static)."""
+        def copy(t, i, src):
+            plgpu.copy_gmem_to_smem(src, self.slots[i].at[self.slot(t)], self.ready[i].at[self.slot(t)])
+
+        def fill(t):
+            for i, src in enumerate(sources(t)):
+                copy(t, i, src)
+
+        for t in range(min(self.stages, max_steps)):
+            pl.when(t < steps)(functools.partial(fill, t))
+
+        @pl.loop(self.stages, steps)
+        def _(t):
+            for i, src in enumerate(sources(t)):
+                plgpu.barrier_wait(self.free[i].at[self.slot(t)])
+                copy(t, i, src)
+
+
+def _ring_scratch(stages: int, rows: int, head_dim: int, dtype, count: int = 2):
+    """(slots, ready, free) scratch for `count` streamed arrays of [rows, head_dim] blocks."""
+    return ((_smem((stages, rows, head_dim), dtype),) * count, (plgpu.Barrier(num_barriers=stages),) * count,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * count)  # one arrival per compute warpgroup
+
+
+def _smem(shape, dtype):
+    """Shared memory in the layout wgmma reads: 8x64 tiles, 128-byte swizzle."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+
+
+def _causal_steps(first, rows: int, block: int, num: int, causal: bool, ragged: bool = False):
+    """For rows [first, first + rows) walking key blocks of `block` from 0: (steps, plain) = the
+    blocks that some row sees, and the leading ones that every row sees whole (no mask)."""
+    plain = num - int(ragged)
+    if not causal:
+        return num, plain
+    return jnp.minimum(pl.cdiv(first + rows, block), num), jnp.minimum((first + 1) // block, plain)
+
+
+# jax 0.10's plgpu.load requires an index argument; 0.11 makes it optional and deprecates it
+_LOAD_NEEDS_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def _load_rows(ref, layout):
+    """A [rows] fp32 vector from gmem into registers, in the layout of a wgmma tile's rows or columns."""
+    index = ((),) if _LOAD_NEEDS_INDEX else ()
+    return plgpu.load(ref, *index, layout=layout, optimized=False)
+
+
+def _iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _matmul(shape, a, b):
+    """a @ b on wgmma into a fresh fp32 accumulator of `shape`."""
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _matmul_add(acc, a, b):
+    """acc + a @ b on wgmma (a from registers or shared memory)."""
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+    return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def _zeros(shape, layout=plgpu.Layout.WGMMA, value=0.0):
+    return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
+
+
+def _store_tiles(pairs):
+    """Registers -> shared memory -> gmem (TMA), for [(value, smem tile, gmem block)]."""
+    for value, tile, _ in pairs:
+        tile[...] = value.astype(tile.dtype)
+    plgpu.commit_smem()
+    for _, tile, dst in pairs:
+        plgpu.copy_smem_to_gmem(tile, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: MosaicBlocks, scale2: float,
+                    causal: bool, kv_len: int, group: int):
+    (q_smem, lse_smem), q_ready = own
+    bq, bkv = blocks.block_q, blocks.block_kv
+    ring = _Ring(*ring, blocks.stages)
     num_kv = k_ref.shape[1] // bkv
     ragged = kv_len % bkv != 0  # the last key block holds padding: masked
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
@@ -101,38 +226,23 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, free, *, blocks: M
     if causal:  # the last rows see the most keys: launch them first, the light tiles fill the tail
         tile = q_ref.shape[1] // blocks.q_tile - 1 - tile
     pair_first = tile * blocks.q_tile
-
-    def steps_for(end_row):  # key blocks that rows < end_row see
-        return jnp.minimum(pl.cdiv(end_row, bkv), num_kv) if causal else num_kv
-
-    pair_steps = steps_for(pair_first + blocks.q_tile)
+    pair_steps, _ = _causal_steps(pair_first, blocks.q_tile, bkv, num_kv, causal)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         first = pair_first + wg * bq
-        steps = steps_for(first + bq)
-        plain = num_kv - int(ragged)  # key blocks every row sees whole: no mask
-        if causal:
-            plain = jnp.minimum((first + 1) // bkv, plain)
+        steps, plain = _causal_steps(first, bq, bkv, num_kv, causal, ragged)
         q_tile = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(first, bq), head], q_tile, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
 
         def step(t, carry, masked: bool):
             m, l, acc = carry
-            slot = lax.rem(t, stages)
-            plgpu.barrier_wait(k_ready.at[slot])
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
+            s = _matmul((bq, bkv), q_tile, ring.wait(t, 0).transpose((1, 0)))
+            ring.release(t, 0)
             if masked:
-                rows = first + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                cols = t * bkv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                rows, cols = first + _iota(s.shape, 0), t * bkv + _iota(s.shape, 1)
                 keep = cols < kv_len
                 if causal:
                     keep = keep & (cols <= rows)
@@ -145,95 +255,209 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, free, *, blocks: M
             p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p = p.astype(q_ref.dtype)
-            plgpu.barrier_wait(v_ready.at[slot])
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
+            acc = _matmul_add(acc, p.astype(q_ref.dtype), ring.wait(t, 1))
+            ring.release(t, 1)
             return m_new, l, acc
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
-        carry = (plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), rows_layout),
-                 plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), rows_layout),
-                 plgpu.layout_cast(jnp.zeros((bq, q_ref.shape[3]), jnp.float32), plgpu.Layout.WGMMA))
+        carry = (_zeros((bq,), rows_layout, -jnp.inf), _zeros((bq,), rows_layout),
+                 _zeros((bq, q_ref.shape[3])))
         carry = lax.fori_loop(0, plain, functools.partial(step, masked=False), carry)
         m, l, acc = lax.fori_loop(plain, steps, functools.partial(step, masked=True), carry)
-
-        # Causal: the other warpgroup's rows see more key blocks. Follow the ring through them
-        # without computing, so every slot's release counts both warpgroups in order (an early
-        # release would let the producer overwrite a slot the other warpgroup still reads).
-        @pl.loop(steps, pair_steps)
-        def _follow(t):
-            slot = lax.rem(t, stages)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
+        ring.follow(steps, pair_steps)
 
         empty = l == 0.0  # no visible key: output 0, lse -inf (never NaN)
         l_safe = jnp.where(empty, 1.0, l)
-        q_tile[...] = (acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])).astype(q_ref.dtype)
-        lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe) * LOG2E)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_tile, o_ref.at[batch, pl.ds(first, bq), head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(first, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        rows = pl.ds(first, bq)
+        _store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head]),
+                      (jnp.where(empty, -jnp.inf, m + jnp.log(l_safe) * LOG2E), lse_smem.at[wg],
+                       lse_ref.at[batch, head, rows])])
 
     @pl.when(wg == 2)
     def _produce():
         plgpu.set_max_registers(40, action="decrease")
         kv_head = lax.div(head, jnp.array(group, head.dtype))
+        keys = lambda t: (batch, pl.ds(t * bkv, bkv), kv_head)
+        ring.produce(lambda t: (k_ref.at[keys(t)], v_ref.at[keys(t)]), pair_steps, num_kv)
 
-        def load(t, slot):
-            keys = (batch, pl.ds(t * bkv, bkv), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
 
-        for t in range(stages):  # fill the ring
-            pl.when(t < pair_steps)(functools.partial(load, t, t))
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring, *, blocks: MosaicBlocks,
+               scale2: float, scale: float, causal: bool, group: int, kv_len: int):
+    """dQ = scale * dS K with dS = P (dO V^T - delta), P = exp2(s2 - m2); two query blocks per CTA
+    (one per compute warpgroup) stream the key blocks, as the forward, and mask as it does."""
+    (q_smem, do_smem), own_ready = own
+    bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
+    ring = _Ring(*ring, blocks.stages_bwd)
+    num_kv = k_ref.shape[1] // bkv
+    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    tile = lax.axis_index("q_tiles")
+    if causal:
+        tile = q_ref.shape[1] // (2 * bq) - 1 - tile
+    pair_first = tile * 2 * bq
+    pair_steps, _ = _causal_steps(pair_first, 2 * bq, bkv, num_kv, causal)
 
-        @pl.loop(stages, pair_steps)
-        def _refill(t):
-            slot = lax.rem(t, stages)
-            keys = (batch, pl.ds(t * bkv, bkv), kv_head)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        first = pair_first + wg * bq
+        steps, plain = _causal_steps(first, bq, bkv, num_kv, causal, kv_len % bkv != 0)
+        rows = pl.ds(first, bq)
+        q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[2 * wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_tile, own_ready.at[2 * wg + 1])
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        m2, delta = (_load_rows(x.at[batch, head, rows], row_layout) for x in (m2_ref, delta_ref))
+        plgpu.barrier_wait(own_ready.at[2 * wg])
+        plgpu.barrier_wait(own_ready.at[2 * wg + 1])
+
+        def step(t, dq, masked: bool):
+            k_tile = ring.wait(t, 0)
+            s = _matmul((bq, bkv), q_tile, k_tile.transpose((1, 0)))
+            dp = _matmul((bq, bkv), do_tile, ring.wait(t, 1).transpose((1, 0)))
+            ring.release(t, 1)
+            if masked:  # padded keys are zero rows: s = 0 there, whose P could overflow
+                cols = t * bkv + _iota(s.shape, 1)
+                keep = cols < kv_len
+                s = jnp.where(keep & (cols <= first + _iota(s.shape, 0)) if causal else keep, s, -jnp.inf)
+            p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m2, s.shape, [0]))
+            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+            dq = _matmul_add(dq, ds.astype(q_ref.dtype), k_tile)
+            ring.release(t, 0)
+            return dq
+
+        dq = lax.fori_loop(0, plain, functools.partial(step, masked=False), _zeros((bq, q_ref.shape[3])))
+        dq = lax.fori_loop(plain, steps, functools.partial(step, masked=True), dq)
+        ring.follow(steps, pair_steps)
+        _store_tiles([(dq * scale, q_tile, dq_ref.at[batch, rows, head])])
+
+    @pl.when(wg == 2)
+    def _produce():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(head, jnp.array(group, head.dtype))
+        keys = lambda t: (batch, pl.ds(t * bkv, bkv), kv_head)
+        ring.produce(lambda t: (k_ref.at[keys(t)], v_ref.at[keys(t)]), pair_steps, num_kv)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref, own, ring, *,
+                 blocks: MosaicBlocks, scale2: float, scale: float, causal: bool, group: int):
+    """dV = P^T dO, dK = scale * dS^T Q, summed over the kv head's query heads: two key blocks per
+    CTA (one per compute warpgroup) stream the (query head, query block) pairs, computing the
+    transposed tiles S^T = K Q^T directly. Padded query rows have dO = 0 and delta = 0: they add 0."""
+    (k_smem, v_smem), own_ready = own
+    bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
+    ring = _Ring(*ring, blocks.stages_bwd)
+    num_q = q_ref.shape[1] // bq
+    batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    pair_first = lax.axis_index("k_tiles") * 2 * bkv  # causal: low keys see the most rows, launched first
+    # query blocks holding a row >= a key of the block starting at `first`: from first // bq on
+    # (none when the keys lie past the last query row: Sk > Sq, causal)
+    start_of = lambda first: jnp.minimum(first // bq, num_q) if causal else 0
+    pair_start = start_of(pair_first)
+    per_head = num_q - pair_start  # steps per query head of the stream
+
+    def at(t):  # stream step -> (query head, query block)
+        return kv_head * group + t // per_head, pair_start + lax.rem(t, per_head)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        first = pair_first + wg * bkv
+        start = start_of(first)
+        full = jnp.minimum(pl.cdiv(first + bkv, bq), num_q) if causal else start  # from here: no mask
+        keys = pl.ds(first, bkv)
+        k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, own_ready.at[2 * wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile, own_ready.at[2 * wg + 1])
+        plgpu.barrier_wait(own_ready.at[2 * wg])
+        plgpu.barrier_wait(own_ready.at[2 * wg + 1])
+        col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+        def step(i, carry, g, masked: bool):
+            dk, dv = carry
+            t = g * per_head + i - pair_start
+            head, qrows = kv_head * group + g, pl.ds(i * bq, bq)
+            q_tile = ring.wait(t, 0)
+            st = _matmul((bkv, bq), k_tile, q_tile.transpose((1, 0)))
+            m2, delta = (_load_rows(x.at[batch, head, qrows], col_layout) for x in (m2_ref, delta_ref))
+            do_tile = ring.wait(t, 1)
+            dpt = _matmul((bkv, bq), v_tile, do_tile.transpose((1, 0)))
+            if masked:
+                st = jnp.where(i * bq + _iota(st.shape, 1) >= first + _iota(st.shape, 0), st, -jnp.inf)
+            pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(m2, st.shape, [1]))
+            dv = _matmul_add(dv, pt.astype(q_ref.dtype), do_tile)
+            ring.release(t, 1)
+            dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
+            dk = _matmul_add(dk, dst.astype(q_ref.dtype), q_tile)
+            ring.release(t, 0)
+            return dk, dv
+
+        def head_loop(g, carry):
+            base = g * per_head - pair_start
+            ring.follow(base + pair_start, base + start)  # query blocks only the other warpgroup sees
+            carry = lax.fori_loop(start, full, functools.partial(step, g=g, masked=True), carry)
+            return lax.fori_loop(full, num_q, functools.partial(step, g=g, masked=False), carry)
+
+        zeros = _zeros((bkv, k_ref.shape[3]))
+        dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+        _store_tiles([(dk * scale, k_tile, dk_ref.at[batch, keys, kv_head]),
+                      (dv, v_tile, dv_ref.at[batch, keys, kv_head])])
+
+    @pl.when(wg == 2)
+    def _produce():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def sources(t):
+            head, i = at(t)
+            rows = (batch, pl.ds(i * bq, bq), head)
+            return q_ref.at[rows], do_ref.at[rows]
+
+        ring.produce(sources, group * per_head, group * num_q)
+
+
+def _launch(kernel, args, out_type, grid, grid_names, own, ring):
+    """One CTA: two compute warpgroups and one producer; scratch = own blocks (smem, barriers)
+    and the ring (`_ring_scratch`), shared by the three warpgroups."""
+    def entry(*refs):
+        pl.run_scoped(lambda own_smem, own_ready, *ring_refs: kernel(*refs, (own_smem, own_ready), ring_refs),
+                      *own, *ring, collective_axes="wg")
+
+    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=3,
+                        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
 def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks):
-    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], padded: Sq a multiple of blocks.q_tile, Sk of
-    blocks.block_kv, D in HEAD_DIMS; keys >= kv_len are padding (masked).
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], padded to `blocks.tiles`, D in HEAD_DIMS; keys >=
+    kv_len are padding (masked).
     -> (out [B, Sq, Hq, D], lse2 [B, Hq, Sq] float32, base 2, of the scaled scores)."""
     batch, q_pad, num_heads, head_dim = q.shape
-    group = num_heads // k.shape[2]
-    bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.stages
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = functools.partial(_forward_kernel, blocks=blocks, scale2=spec.scale * LOG2E, causal=spec.causal,
+                               kv_len=kv_len, group=num_heads // k.shape[2])
+    own = ((_smem((2, blocks.block_q, head_dim), q.dtype), plgpu.SMEM((2, blocks.block_q), jnp.float32)),
+           plgpu.Barrier(num_barriers=2))
+    return _launch(kernel, (q, k, v),
+                   (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
+                   (num_heads, q_pad // blocks.q_tile, batch), ("heads", "q_tiles", "batch"),
+                   own, _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype))
 
-    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
-        smem = (plgpu.SMEM((2, bq, head_dim), q.dtype, transforms=swizzled),
-                plgpu.SMEM((stages, bkv, head_dim), k.dtype, transforms=swizzled),
-                plgpu.SMEM((stages, bkv, head_dim), v.dtype, transforms=swizzled),
-                plgpu.SMEM((2, bq), jnp.float32))
-        ready = (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages),
-                 plgpu.Barrier(num_barriers=stages))
-        free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2  # one arrival per compute warpgroup
-        kernel = functools.partial(_kernel, blocks=blocks, scale2=spec.scale * LOG2E, causal=spec.causal,
-                                   kv_len=kv_len, group=group)
-        pl.run_scoped(lambda *scratch: kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch),
-                      smem, ready, free, collective_axes="wg")
 
-    return plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                  jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
-        grid=(num_heads, q_pad // blocks.q_tile, batch),
-        grid_names=("heads", "q_tiles", "batch"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v)
+def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks):
+    """The gradients from the forward's statistics: P = exp2(s2 - m2) (m2 = lse2; +inf on empty
+    rows), delta = rowsum(dO * O) - dlse [B, Hq, Sq] fp32. Arrays padded as for `flash_forward`
+    (with zeros). -> (dq, dk, dv) in the input dtype, dk/dv per kv head."""
+    batch, q_pad, num_heads, head_dim = q.shape
+    kv_pad, num_kv_heads = k.shape[1], k.shape[2]
+    bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
+    options = dict(blocks=blocks, scale2=spec.scale * LOG2E, scale=spec.scale, causal=spec.causal,
+                   group=num_heads // num_kv_heads)
+    two_blocks = lambda rows, dtype: (_smem((2, rows, head_dim), dtype),) * 2
+    args = (q, k, v, do, m2, delta)
+    dq = _launch(functools.partial(_dq_kernel, kv_len=kv_len, **options), args, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 (num_heads, q_pad // (2 * bq), batch), ("heads", "q_tiles", "batch"),
+                 (two_blocks(bq, q.dtype), plgpu.Barrier(num_barriers=4)),
+                 _ring_scratch(blocks.stages_bwd, bkv, head_dim, k.dtype))
+    dk, dv = _launch(functools.partial(_dkdv_kernel, **options), args,
+                     (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                     (num_kv_heads, kv_pad // (2 * bkv), batch), ("heads", "k_tiles", "batch"),
+                     (two_blocks(bkv, k.dtype), plgpu.Barrier(num_barriers=4)),
+                     _ring_scratch(blocks.stages_bwd, bq, head_dim, q.dtype))
+    return dq, dk, dv

@@ -114,7 +114,7 @@ class _Static:
     kv_len: int
     interpret: bool
     rope_arange: bool = False  # RoPE at positions arange: tile cos/sin by angle addition
-    mosaic: mosaic_gpu.MosaicBlocks | None = None  # the forward on the Mosaic GPU kernel
+    mosaic: mosaic_gpu.MosaicBlocks | None = None  # run the Mosaic GPU kernels instead
 
 
 # ----------------------------------------------------------------------------------------------
@@ -583,8 +583,12 @@ def _flash_bwd(st, residuals, cotangents):
     do, dlse = cotangents
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     delta = delta - dlse
-    dq, dk, dv = _bwd_call(st, q, k, v, side, dq_ranges, dkdv_ranges,
-                           do.astype(q.dtype), m2, inv_l, delta)
+    if st.mosaic is not None:  # its forward's statistics: inv_l = 1, m2 = lse2
+        dq, dk, dv = mosaic_gpu.flash_backward(q, k, v, do.astype(q.dtype), m2, delta, st.spec, st.kv_len,
+                                                 st.mosaic)
+    else:
+        dq, dk, dv = _bwd_call(st, q, k, v, side, dq_ranges, dkdv_ranges,
+                               do.astype(q.dtype), m2, inv_l, delta)
     return dq, dk, dv, None, None, None, None
 
 
@@ -622,8 +626,8 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     Segment ids [B, Sq]/[B, Sk] when spec.has_segments; RoPE positions [B, Sq]/[B, Sk] when
     spec.rope. Pads the head dim to a power of two and the sequences to tile multiples (zeros;
     padded keys are masked, padded rows sliced off), so any shape runs on one kernel family.
-    forward="mosaic_gpu" runs the forward on `mosaic_gpu.flash_forward` (Hopper; raises where it
-    cannot serve the call), the backward stays these kernels.
+    forward="mosaic_gpu" runs the Hopper kernels of `mosaic_gpu` instead, forward and backward
+    (raises where they cannot serve the call).
     """
     if forward not in ("triton", "mosaic_gpu"):
         raise ValueError(f"forward must be 'triton' or 'mosaic_gpu', got {forward!r}")
@@ -645,7 +649,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
         if reason := mosaic_gpu.unsupported_reason(spec, head_dim, q.dtype):
             raise NotImplementedError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
         mosaic_blocks = mosaic_blocks or mosaic_gpu.default_mosaic_blocks(head_pad)
-        tile_q, tile_k = max(tile_q, mosaic_blocks.q_tile), max(tile_k, mosaic_blocks.block_kv)
+        tile_q, tile_k = max(tile_q, mosaic_blocks.tiles[0]), max(tile_k, mosaic_blocks.tiles[1])
     else:
         mosaic_blocks = None
     q_pad, kv_pad = pl.cdiv(q_len, tile_q) * tile_q, pl.cdiv(kv_len, tile_k) * tile_k

@@ -1,5 +1,5 @@
-"""implementation="mosaic_gpu": the Hopper forward (Pallas Mosaic GPU, `jax_attn.mosaic_gpu`) with
-the engine's Pallas Triton backward.
+"""implementation="mosaic_gpu": the Hopper kernels (Pallas Mosaic GPU, `jax_attn.mosaic_gpu`),
+forward and backward.
 
 CPU: no interpreter runs a Mosaic GPU kernel here, so the kernel is lowered for CUDA (which traces
 it through this jax's Mosaic GPU API) and the call is refused with its reason. Tests marked `gpu`
@@ -25,9 +25,11 @@ def test_kernel_lowers_for_cuda(causal, head_dim, seq, kv_len, group):
     blocks = mosaic_gpu.default_mosaic_blocks(head_dim)
     q = jax.ShapeDtypeStruct((2, seq, 2 * group, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
     f = jax.jit(lambda q, k, v: mosaic_gpu.flash_forward(q, k, v, spec, kv_len, blocks))
-    text = f.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in f.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    g = jax.jit(lambda *a: mosaic_gpu.flash_backward(*a, spec, kv_len, blocks))
+    assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -53,10 +55,12 @@ def test_refuses_dtype_head_dim_and_device():
 
 
 def test_blocks_validated():
-    with pytest.raises(ValueError, match="multiples of 64"):
+    with pytest.raises(ValueError, match="block_q=32 must be a multiple of 64"):
         mosaic_gpu.MosaicBlocks(block_q=32)
-    with pytest.raises(ValueError, match="stages"):
-        mosaic_gpu.MosaicBlocks(stages=1)
+    with pytest.raises(ValueError, match="block_kv_bwd=96"):
+        mosaic_gpu.MosaicBlocks(block_kv_bwd=96)
+    with pytest.raises(ValueError, match="stages_bwd=1"):
+        mosaic_gpu.MosaicBlocks(stages_bwd=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,6 +74,7 @@ GPU_CASES = [
     ((1, 777, 1111, 4, 1, 96), jnp.bfloat16, {}),  # Sq != Sk, head dim padded to 128
     ((1, 1111, 777, 4, 4, 128), jnp.bfloat16, dict(causal=True)),  # rows past Sk see every key
     ((1, 300, 300, 2, 1, 40), jnp.float16, dict(causal=True, scale=0.3)),
+    ((1, 300, 700, 4, 2, 64), jnp.bfloat16, dict(causal=True)),  # keys past the last row: dK = dV = 0
 ]
 
 
@@ -81,7 +86,7 @@ def test_gpu_against_golden(shape, dtype, kw):
 
 
 @pytest.mark.gpu
-def test_gpu_deterministic_and_close_to_triton_forward():
+def test_gpu_deterministic_and_close_to_triton():
     rng = np.random.default_rng(3)
     q, k, v, do = _inputs(rng, 2, 2048, 2048, 8, 2, 128)
     runs = [_run(q, k, v, do, jnp.bfloat16, "mosaic_gpu", causal=True) for _ in range(2)]
