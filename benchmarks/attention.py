@@ -105,7 +105,7 @@ IMPLS = {
     "jax_cudnn": ("jax", "cudnn", "jax", "cuDNN(jax)"),
     "jax_xla": ("jax", "xla", "jax", "XLA"),
     "jax_attn": ("jax_attn", "default", "jax", "ours"),
-    "jax_attn_triton": ("jax_attn", "pallas_triton", "jax", "ours (Triton fwd)"),
+    "jax_attn_triton": ("jax_attn", "pallas_triton", "jax", "ours (Triton)"),
     "mha_tuned": ("jax_pallas_mha", "tuned_bq128_bk128_w8_s3", "jax", "mha tuned"),
     "mha_default": ("jax_pallas_mha", "default", "jax", "mha default"),
     "torch_flash": ("torch", "sdpa_flash", "torch", "torch flash"),

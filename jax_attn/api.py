@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 IMPLEMENTATIONS: dict[str, Callable] = {
     "pallas_triton": pallas_triton.flash_attention_pallas,
     # the Hopper kernels (`mosaic_gpu`), wired through the engine's padding and custom_vjp
-    "mosaic_gpu": functools.partial(pallas_triton.flash_attention_pallas, forward="mosaic_gpu"),
+    "mosaic_gpu": functools.partial(pallas_triton.flash_attention_pallas, kernels="mosaic_gpu"),
     "xla": xla.attention_reference,
 }
 

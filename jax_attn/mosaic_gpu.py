@@ -85,20 +85,20 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
-    """Why the Mosaic GPU forward cannot serve this call, or None if it can."""
+    """Why the Mosaic GPU kernels cannot serve this call, or None if they can."""
     features = [name for name, used in (
         ("window", spec.window_left is not None or spec.window_right is not None),
         ("softcap", spec.softcap is not None), ("segment_ids", spec.has_segments),
         ("rope", spec.rope is not None)) if used]
     if features:
-        return f"the Mosaic GPU forward serves plain (causal or not) attention, not {', '.join(features)}"
+        return f"the Mosaic GPU kernels serve plain (causal or not) attention, not {', '.join(features)}"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        return f"the Mosaic GPU forward takes float16 or bfloat16, not {jnp.dtype(dtype)}"
+        return f"the Mosaic GPU kernels take float16 or bfloat16, not {jnp.dtype(dtype)}"
     if padded_head_dim(head_dim) not in HEAD_DIMS:
-        return f"the Mosaic GPU forward serves head dims 33 to 128 (padded to {HEAD_DIMS}), got {head_dim}"
+        return f"the Mosaic GPU kernels serve head dims 33 to 128 (padded to {HEAD_DIMS}), got {head_dim}"
     info = device_info()
     if info.platform != "gpu" or not info.compute_capability or info.compute_capability[0] != 9:
-        return (f"the Mosaic GPU forward needs a Hopper (sm90) GPU, this is {info.platform} "
+        return (f"the Mosaic GPU kernels need a Hopper (sm90) GPU, this is {info.platform} "
                 f"{info.name} (sm{info.compute_capability})")
     return None
 
@@ -214,6 +214,13 @@ def _store_tiles(pairs):
     plgpu.wait_smem_to_gmem(0)
 
 
+def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, steps):
+    """The producer warpgroup of the forward and dQ kernels: the kv head's K and V blocks 0..steps-1."""
+    plgpu.set_max_registers(40, action="decrease")
+    keys = lambda t: (batch, pl.ds(t * bkv, bkv), kv_head)
+    ring.produce(lambda t: (k_ref.at[keys(t)], v_ref.at[keys(t)]), steps, k_ref.shape[1] // bkv)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: MosaicBlocks, scale2: float,
                     causal: bool, kv_len: int, group: int):
     (q_smem, lse_smem), q_ready = own
@@ -273,12 +280,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: M
                       (jnp.where(empty, -jnp.inf, m + jnp.log(l_safe) * LOG2E), lse_smem.at[wg],
                        lse_ref.at[batch, head, rows])])
 
-    @pl.when(wg == 2)
-    def _produce():
-        plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.array(group, head.dtype))
-        keys = lambda t: (batch, pl.ds(t * bkv, bkv), kv_head)
-        ring.produce(lambda t: (k_ref.at[keys(t)], v_ref.at[keys(t)]), pair_steps, num_kv)
+    kv_head = lax.div(head, jnp.array(group, head.dtype))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, pair_steps))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring, *, blocks: MosaicBlocks,
@@ -330,12 +333,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring
         ring.follow(steps, pair_steps)
         _store_tiles([(dq * scale, q_tile, dq_ref.at[batch, rows, head])])
 
-    @pl.when(wg == 2)
-    def _produce():
-        plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.array(group, head.dtype))
-        keys = lambda t: (batch, pl.ds(t * bkv, bkv), kv_head)
-        ring.produce(lambda t: (k_ref.at[keys(t)], v_ref.at[keys(t)]), pair_steps, num_kv)
+    kv_head = lax.div(head, jnp.array(group, head.dtype))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, pair_steps))
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref, own, ring, *,
@@ -434,9 +433,9 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
                                kv_len=kv_len, group=num_heads // k.shape[2])
     own = ((_smem((2, blocks.block_q, head_dim), q.dtype), plgpu.SMEM((2, blocks.block_q), jnp.float32)),
            plgpu.Barrier(num_barriers=2))
-    return _launch(kernel, (q, k, v),
-                   (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)),
-                   (num_heads, q_pad // blocks.q_tile, batch), ("heads", "q_tiles", "batch"),
+    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
+    grid = (num_heads, q_pad // blocks.q_tile, batch)
+    return _launch(kernel, (q, k, v), out_type, grid, ("heads", "q_tiles", "batch"),
                    own, _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype))
 
 

@@ -620,17 +620,17 @@ def _side_info(fields, length, seg):
 
 def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None,
                            blocks: BlockSizes | None = None, interpret: bool | None = None,
-                           forward: str = "triton", mosaic_blocks: mosaic_gpu.MosaicBlocks | None = None):
+                           kernels: str = "triton", mosaic_blocks: mosaic_gpu.MosaicBlocks | None = None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (validated) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]).
 
     Segment ids [B, Sq]/[B, Sk] when spec.has_segments; RoPE positions [B, Sq]/[B, Sk] when
     spec.rope. Pads the head dim to a power of two and the sequences to tile multiples (zeros;
     padded keys are masked, padded rows sliced off), so any shape runs on one kernel family.
-    forward="mosaic_gpu" runs the Hopper kernels of `mosaic_gpu` instead, forward and backward
+    kernels="mosaic_gpu" runs the Hopper kernels of `mosaic_gpu` instead, forward and backward
     (raises where they cannot serve the call).
     """
-    if forward not in ("triton", "mosaic_gpu"):
-        raise ValueError(f"forward must be 'triton' or 'mosaic_gpu', got {forward!r}")
+    if kernels not in ("triton", "mosaic_gpu"):
+        raise ValueError(f"kernels must be 'triton' or 'mosaic_gpu', got {kernels!r}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     batch, q_len, _, head_dim = q.shape
@@ -645,7 +645,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     blocks = blocks.fitted(q_len, kv_len)
     tile_q = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
     tile_k = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
-    if forward == "mosaic_gpu":
+    if kernels == "mosaic_gpu":
         if reason := mosaic_gpu.unsupported_reason(spec, head_dim, q.dtype):
             raise NotImplementedError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
         mosaic_blocks = mosaic_blocks or mosaic_gpu.default_mosaic_blocks(head_pad)
