@@ -151,9 +151,9 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       return_lse: also return lse [B, Hq, Sq] float32 (natural log; -inf on rows with no
         visible key). The lse output is differentiable.
       implementation: None (see `default_implementation`), "pallas_triton", "mosaic_gpu" (Hopper
-        GPUs; plain or causal 16-bit attention without window, softcap, segments or RoPE, D <= 128:
-        warp-specialised TMA/wgmma kernels, forward and backward; raises on anything else) or
-        "xla".
+        GPUs; 16-bit attention, causal and/or windowed, without softcap, segments or RoPE,
+        D <= 128: warp-specialised TMA/wgmma kernels, forward and backward; raises on anything
+        else) or "xla".
 
     Float32 inputs use the matmul precision JAX is configured with
     (`jax.default_matmul_precision`): "highest"/"float32" gives exact fp32 dots, anything else

@@ -14,8 +14,9 @@ three warpgroups:
 The backward mirrors the engine's (`pallas_triton`): a dQ kernel and a dK/dV kernel looping over
 the GQA group's query heads, no atomics, deterministic; P is recomputed from the forward's lse in
 base 2 (P = exp2(s2 - lse2)), exact enough for 16-bit gradients.
-Serves the plain softmax (causal or not, GQA, any scale, 16-bit, padded head dim 64 or 128);
-`unsupported_reason` names what it does not.
+Serves softmax attention with causal and sliding-window masks (any lengths, GQA, any scale,
+16-bit, padded head dim 64 or 128): each warpgroup walks only the blocks its rows can see, the
+edge blocks masked (`_partner_blocks`); `unsupported_reason` names what it does not serve.
 
 No interpreter runs these kernels on CPU (jax 0.10); the tests lower them there and run them on
 the GPU.
@@ -34,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.device import device_info
-from jax_attn.spec import AttentionSpec
+from jax_attn.spec import AttentionSpec, visible
 
 LOG2E = math.log2(math.e)
 HEAD_DIMS = (64, 128)  # padded head dims served (a 128-byte swizzle row holds 64 16-bit values)
@@ -87,11 +88,10 @@ def padded_head_dim(head_dim: int) -> int:
 def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
     """Why the Mosaic GPU kernels cannot serve this call, or None if they can."""
     features = [name for name, used in (
-        ("window", spec.window_left is not None or spec.window_right is not None),
         ("softcap", spec.softcap is not None), ("segment_ids", spec.has_segments),
         ("rope", spec.rope is not None)) if used]
     if features:
-        return f"the Mosaic GPU kernels serve plain (causal or not) attention, not {', '.join(features)}"
+        return f"the Mosaic GPU kernels serve causal and windowed attention, not {', '.join(features)}"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return f"the Mosaic GPU kernels take float16 or bfloat16, not {jnp.dtype(dtype)}"
     if padded_head_dim(head_dim) not in HEAD_DIMS:
@@ -162,13 +162,33 @@ def _smem(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
 
 
-def _causal_steps(first, rows: int, block: int, num: int, causal: bool, ragged: bool = False):
-    """For rows [first, first + rows) walking key blocks of `block` from 0: (steps, plain) = the
-    blocks that some row sees, and the leading ones that every row sees whole (no mask)."""
-    plain = num - int(ragged)
-    if not causal:
-        return num, plain
-    return jnp.minimum(pl.cdiv(first + rows, block), num), jnp.minimum((first + 1) // block, plain)
+def _reach(spec: AttentionSpec):
+    """(before, after): query i sees keys i - before <= j <= i + after (None: unbounded)."""
+    bounds = [b for b in (0 if spec.causal else None, spec.window_right) if b is not None]
+    return spec.window_left, min(bounds) if bounds else None
+
+
+def _partner_blocks(first, size: int, block: int, num: int, before, after, last_masked: bool = False):
+    """Own rows [first, first + size) see partners y with x - before <= y <= x + after (None:
+    unbounded), in `num` blocks of `block`. -> (lo, plain_lo, plain_hi, hi): the blocks some row
+    sees are [lo, hi); inside, [plain_lo, plain_hi) are seen whole by every row (no mask). With
+    `last_masked` the last block (padding) is never plain. Monotone in `first`."""
+    lo = 0 if before is None else jnp.minimum(jnp.maximum(first - before, 0) // block, num)
+    hi = num if after is None else jnp.minimum(pl.cdiv(first + size + after, block), num)
+    plain_lo = lo if before is None else pl.cdiv(jnp.maximum(first + size - 1 - before, 0), block)
+    plain_hi = num - int(last_masked)
+    if after is not None:
+        plain_hi = jnp.minimum((first + after + 1) // block, plain_hi)
+    plain_lo = jnp.minimum(jnp.maximum(plain_lo, lo), hi)
+    return lo, plain_lo, jnp.minimum(jnp.maximum(plain_hi, plain_lo), hi), hi
+
+
+def _walk(step, carry, blocks):
+    """Run step(t, carry, masked) over (lo, plain_lo, plain_hi, hi): masked edges, plain middle."""
+    lo, plain_lo, plain_hi, hi = blocks
+    carry = lax.fori_loop(lo, plain_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(plain_hi, hi, functools.partial(step, masked=True), carry)
 
 
 # jax 0.10's plgpu.load requires an index argument; 0.11 makes it optional and deprecates it
@@ -214,45 +234,57 @@ def _store_tiles(pairs):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, steps):
-    """The producer warpgroup of the forward and dQ kernels: the kv head's K and V blocks 0..steps-1."""
+def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi):
+    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi)."""
     plgpu.set_max_registers(40, action="decrease")
-    keys = lambda t: (batch, pl.ds(t * bkv, bkv), kv_head)
-    ring.produce(lambda t: (k_ref.at[keys(t)], v_ref.at[keys(t)]), steps, k_ref.shape[1] // bkv)
+    keys = lambda u: (batch, pl.ds((lo + u) * bkv, bkv), kv_head)
+    ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: MosaicBlocks, scale2: float,
-                    causal: bool, kv_len: int, group: int):
+def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
+    """The CTA's first query row (two blocks of block_q: one per compute warpgroup). Causal grids
+    launch the last rows first: they see the most keys, and the light tiles fill the tail."""
+    tile = lax.axis_index("q_tiles")
+    if spec.causal:
+        tile = q_ref.shape[1] // (2 * block_q) - 1 - tile
+    return tile * 2 * block_q
+
+
+def _key_stream(spec: AttentionSpec, pair_first, bq: int, bkv: int, num_kv: int, kv_len: int):
+    """Key blocks for a query-major CTA: (stream_lo, stream_hi) of the pair and, per warpgroup,
+    its (lo, plain_lo, plain_hi, hi); the last block holds padding when kv_len is ragged."""
+    before, after = _reach(spec)
+    ranges = [_partner_blocks(pair_first + w * bq, bq, bkv, num_kv, before, after, kv_len % bkv != 0)
+              for w in range(2)]
+    return ranges[0][0], ranges[1][3], ranges
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: MosaicBlocks, spec: AttentionSpec,
+                    kv_len: int, group: int):
     (q_smem, lse_smem), q_ready = own
     bq, bkv = blocks.block_q, blocks.block_kv
+    scale2 = spec.scale * LOG2E
     ring = _Ring(*ring, blocks.stages)
-    num_kv = k_ref.shape[1] // bkv
-    ragged = kv_len % bkv != 0  # the last key block holds padding: masked
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    tile = lax.axis_index("q_tiles")
-    if causal:  # the last rows see the most keys: launch them first, the light tiles fill the tail
-        tile = q_ref.shape[1] // blocks.q_tile - 1 - tile
-    pair_first = tile * blocks.q_tile
-    pair_steps, _ = _causal_steps(pair_first, blocks.q_tile, bkv, num_kv, causal)
+    pair_first = _query_pair(q_ref, bq, spec)
+    stream_lo, stream_hi, ranges = _key_stream(spec, pair_first, bq, bkv, k_ref.shape[1] // bkv, kv_len)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         first = pair_first + wg * bq
-        steps, plain = _causal_steps(first, bq, bkv, num_kv, causal, ragged)
+        own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         q_tile = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(first, bq), head], q_tile, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
 
         def step(t, carry, masked: bool):
             m, l, acc = carry
-            s = _matmul((bq, bkv), q_tile, ring.wait(t, 0).transpose((1, 0)))
-            ring.release(t, 0)
+            u = t - stream_lo  # the ring's step
+            s = _matmul((bq, bkv), q_tile, ring.wait(u, 0).transpose((1, 0)))
+            ring.release(u, 0)
             if masked:
-                rows, cols = first + _iota(s.shape, 0), t * bkv + _iota(s.shape, 1)
-                keep = cols < kv_len
-                if causal:
-                    keep = keep & (cols <= rows)
+                keep = visible(spec, first + _iota(s.shape, 0), t * bkv + _iota(s.shape, 1), kv_len)
                 s = jnp.where(keep, s, -jnp.inf)
             # scale > 0: the row max of the raw scores, scaled, is the max of the scaled ones
             m_new = jnp.maximum(m, s.max(axis=1) * scale2)
@@ -262,16 +294,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: M
             p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _matmul_add(acc, p.astype(q_ref.dtype), ring.wait(t, 1))
-            ring.release(t, 1)
+            acc = _matmul_add(acc, p.astype(q_ref.dtype), ring.wait(u, 1))
+            ring.release(u, 1)
             return m_new, l, acc
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
         carry = (_zeros((bq,), rows_layout, -jnp.inf), _zeros((bq,), rows_layout),
                  _zeros((bq, q_ref.shape[3])))
-        carry = lax.fori_loop(0, plain, functools.partial(step, masked=False), carry)
-        m, l, acc = lax.fori_loop(plain, steps, functools.partial(step, masked=True), carry)
-        ring.follow(steps, pair_steps)
+        ring.follow(0, own_blocks[0] - stream_lo)  # blocks only the other warpgroup sees
+        m, l, acc = _walk(step, carry, own_blocks)
+        ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
 
         empty = l == 0.0  # no visible key: output 0, lse -inf (never NaN)
         l_safe = jnp.where(empty, 1.0, l)
@@ -281,29 +313,26 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: M
                        lse_ref.at[batch, head, rows])])
 
     kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, pair_steps))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, stream_lo, stream_hi))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring, *, blocks: MosaicBlocks,
-               scale2: float, scale: float, causal: bool, group: int, kv_len: int):
+               spec: AttentionSpec, group: int, kv_len: int):
     """dQ = scale * dS K with dS = P (dO V^T - delta), P = exp2(s2 - m2); two query blocks per CTA
     (one per compute warpgroup) stream the key blocks, as the forward, and mask as it does."""
     (q_smem, do_smem), own_ready = own
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
+    scale2 = spec.scale * LOG2E
     ring = _Ring(*ring, blocks.stages_bwd)
-    num_kv = k_ref.shape[1] // bkv
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    tile = lax.axis_index("q_tiles")
-    if causal:
-        tile = q_ref.shape[1] // (2 * bq) - 1 - tile
-    pair_first = tile * 2 * bq
-    pair_steps, _ = _causal_steps(pair_first, 2 * bq, bkv, num_kv, causal)
+    pair_first = _query_pair(q_ref, bq, spec)
+    stream_lo, stream_hi, ranges = _key_stream(spec, pair_first, bq, bkv, k_ref.shape[1] // bkv, kv_len)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         first = pair_first + wg * bq
-        steps, plain = _causal_steps(first, bq, bkv, num_kv, causal, kv_len % bkv != 0)
+        own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         rows = pl.ds(first, bq)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[2 * wg])
@@ -314,55 +343,55 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
 
         def step(t, dq, masked: bool):
-            k_tile = ring.wait(t, 0)
+            u = t - stream_lo  # the ring's step
+            k_tile = ring.wait(u, 0)
             s = _matmul((bq, bkv), q_tile, k_tile.transpose((1, 0)))
-            dp = _matmul((bq, bkv), do_tile, ring.wait(t, 1).transpose((1, 0)))
-            ring.release(t, 1)
-            if masked:  # padded keys are zero rows: s = 0 there, whose P could overflow
-                cols = t * bkv + _iota(s.shape, 1)
-                keep = cols < kv_len
-                s = jnp.where(keep & (cols <= first + _iota(s.shape, 0)) if causal else keep, s, -jnp.inf)
+            dp = _matmul((bq, bkv), do_tile, ring.wait(u, 1).transpose((1, 0)))
+            ring.release(u, 1)
+            if masked:  # (padded keys are zero rows: s = 0 there, whose P could overflow)
+                keep = visible(spec, first + _iota(s.shape, 0), t * bkv + _iota(s.shape, 1), kv_len)
+                s = jnp.where(keep, s, -jnp.inf)
             p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m2, s.shape, [0]))
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
             dq = _matmul_add(dq, ds.astype(q_ref.dtype), k_tile)
-            ring.release(t, 0)
+            ring.release(u, 0)
             return dq
 
-        dq = lax.fori_loop(0, plain, functools.partial(step, masked=False), _zeros((bq, q_ref.shape[3])))
-        dq = lax.fori_loop(plain, steps, functools.partial(step, masked=True), dq)
-        ring.follow(steps, pair_steps)
-        _store_tiles([(dq * scale, q_tile, dq_ref.at[batch, rows, head])])
+        ring.follow(0, own_blocks[0] - stream_lo)
+        dq = _walk(step, _zeros((bq, q_ref.shape[3])), own_blocks)
+        ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
+        _store_tiles([(dq * spec.scale, q_tile, dq_ref.at[batch, rows, head])])
 
     kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, pair_steps))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, stream_lo, stream_hi))
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref, own, ring, *,
-                 blocks: MosaicBlocks, scale2: float, scale: float, causal: bool, group: int):
+                 blocks: MosaicBlocks, spec: AttentionSpec, group: int, kv_len: int):
     """dV = P^T dO, dK = scale * dS^T Q, summed over the kv head's query heads: two key blocks per
     CTA (one per compute warpgroup) stream the (query head, query block) pairs, computing the
     transposed tiles S^T = K Q^T directly. Padded query rows have dO = 0 and delta = 0: they add 0."""
     (k_smem, v_smem), own_ready = own
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
+    scale2 = spec.scale * LOG2E
     ring = _Ring(*ring, blocks.stages_bwd)
     num_q = q_ref.shape[1] // bq
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = lax.axis_index("k_tiles") * 2 * bkv  # causal: low keys see the most rows, launched first
-    # query blocks holding a row >= a key of the block starting at `first`: from first // bq on
-    # (none when the keys lie past the last query row: Sk > Sq, causal)
-    start_of = lambda first: jnp.minimum(first // bq, num_q) if causal else 0
-    pair_start = start_of(pair_first)
-    per_head = num_q - pair_start  # steps per query head of the stream
+    # key j is seen by rows i with j - after <= i <= j + before (none at all past the last row)
+    before, after = _reach(spec)
+    ranges = [_partner_blocks(pair_first + w * bkv, bkv, bq, num_q, after, before) for w in range(2)]
+    stream_lo = ranges[0][0]
+    per_head = jnp.maximum(ranges[1][3] - stream_lo, 0)  # stream steps per query head
 
     def at(t):  # stream step -> (query head, query block)
-        return kv_head * group + t // per_head, pair_start + lax.rem(t, per_head)
+        return kv_head * group + t // per_head, stream_lo + lax.rem(t, per_head)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         first = pair_first + wg * bkv
-        start = start_of(first)
-        full = jnp.minimum(pl.cdiv(first + bkv, bq), num_q) if causal else start  # from here: no mask
+        own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         keys = pl.ds(first, bkv)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, own_ready.at[2 * wg])
@@ -373,7 +402,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref,
 
         def step(i, carry, g, masked: bool):
             dk, dv = carry
-            t = g * per_head + i - pair_start
+            t = g * per_head + i - stream_lo  # the ring's step
             head, qrows = kv_head * group + g, pl.ds(i * bq, bq)
             q_tile = ring.wait(t, 0)
             st = _matmul((bkv, bq), k_tile, q_tile.transpose((1, 0)))
@@ -381,7 +410,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref,
             do_tile = ring.wait(t, 1)
             dpt = _matmul((bkv, bq), v_tile, do_tile.transpose((1, 0)))
             if masked:
-                st = jnp.where(i * bq + _iota(st.shape, 1) >= first + _iota(st.shape, 0), st, -jnp.inf)
+                keep = visible(spec, i * bq + _iota(st.shape, 1), first + _iota(st.shape, 0), kv_len)
+                st = jnp.where(keep, st, -jnp.inf)
             pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(m2, st.shape, [1]))
             dv = _matmul_add(dv, pt.astype(q_ref.dtype), do_tile)
             ring.release(t, 1)
@@ -391,14 +421,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref,
             return dk, dv
 
         def head_loop(g, carry):
-            base = g * per_head - pair_start
-            ring.follow(base + pair_start, base + start)  # query blocks only the other warpgroup sees
-            carry = lax.fori_loop(start, full, functools.partial(step, g=g, masked=True), carry)
-            return lax.fori_loop(full, num_q, functools.partial(step, g=g, masked=False), carry)
+            base = g * per_head - stream_lo
+            ring.follow(base + stream_lo, base + own_blocks[0])  # query blocks only the other warpgroup sees
+            carry = _walk(functools.partial(step, g=g), carry, own_blocks)
+            ring.follow(base + own_blocks[3], (g + 1) * per_head)
+            return carry
 
         zeros = _zeros((bkv, k_ref.shape[3]))
         dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
-        _store_tiles([(dk * scale, k_tile, dk_ref.at[batch, keys, kv_head]),
+        _store_tiles([(dk * spec.scale, k_tile, dk_ref.at[batch, keys, kv_head]),
                       (dv, v_tile, dv_ref.at[batch, keys, kv_head])])
 
     @pl.when(wg == 2)
@@ -429,8 +460,7 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
     kv_len are padding (masked).
     -> (out [B, Sq, Hq, D], lse2 [B, Hq, Sq] float32, base 2, of the scaled scores)."""
     batch, q_pad, num_heads, head_dim = q.shape
-    kernel = functools.partial(_forward_kernel, blocks=blocks, scale2=spec.scale * LOG2E, causal=spec.causal,
-                               kv_len=kv_len, group=num_heads // k.shape[2])
+    kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
     own = ((_smem((2, blocks.block_q, head_dim), q.dtype), plgpu.SMEM((2, blocks.block_q), jnp.float32)),
            plgpu.Barrier(num_barriers=2))
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
@@ -446,11 +476,10 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
-    options = dict(blocks=blocks, scale2=spec.scale * LOG2E, scale=spec.scale, causal=spec.causal,
-                   group=num_heads // num_kv_heads)
+    options = dict(blocks=blocks, spec=spec, group=num_heads // num_kv_heads, kv_len=kv_len)
     two_blocks = lambda rows, dtype: (_smem((2, rows, head_dim), dtype),) * 2
     args = (q, k, v, do, m2, delta)
-    dq = _launch(functools.partial(_dq_kernel, kv_len=kv_len, **options), args, jax.ShapeDtypeStruct(q.shape, q.dtype),
+    dq = _launch(functools.partial(_dq_kernel, **options), args, jax.ShapeDtypeStruct(q.shape, q.dtype),
                  (num_heads, q_pad // (2 * bq), batch), ("heads", "q_tiles", "batch"),
                  (two_blocks(bq, q.dtype), plgpu.Barrier(num_barriers=4)),
                  _ring_scratch(blocks.stages_bwd, bkv, head_dim, k.dtype))

@@ -120,11 +120,11 @@ def _golden_disagreement(a, b) -> float:
 
 
 def _mosaic_serves(case: Case) -> bool:
-    """Whether implementation="mosaic_gpu" serves the case here: a Hopper GPU, 16-bit plain or
-    causal attention (no segments, window, softcap or RoPE), head dim 33 to 128."""
+    """Whether implementation="mosaic_gpu" serves the case here: a Hopper GPU, 16-bit attention,
+    causal and/or windowed (no segments, softcap or RoPE), head dim 33 to 128."""
     on_hopper = jax_attn.mosaic_gpu.unsupported_reason(jax_attn.AttentionSpec(scale=1.0), 128, jnp.bfloat16) is None
     return (on_hopper and case.variant == "standard" and case.dtype in ("float16", "bfloat16")
-            and case.segments is None and set(case.call_kwargs()) <= {"causal", "scale"}
+            and case.segments is None and set(case.call_kwargs()) <= {"causal", "scale", "window"}
             and 32 < case.shape[5] <= 128)
 
 

@@ -14,7 +14,7 @@ import pytest
 import jax_attn
 from jax_attn import flash_attention, mosaic_gpu
 from jax_attn.rope import Rope
-from jax_attn.spec import AttentionSpec
+from jax_attn.spec import AttentionSpec, visible
 from jax_golden import _inputs, _run, check_against_golden
 
 
@@ -32,8 +32,42 @@ def test_kernel_lowers_for_cuda(causal, head_dim, seq, kv_len, group):
     assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("causal, window, q_len, kv_len", [
+    (False, None, 300, 300), (True, None, 300, 300), (True, None, 200, 333), (True, None, 333, 200),
+    (False, (64, 0), 256, 256), (True, (100, None), 500, 470), (False, (30, 70), 256, 300),
+    (False, (0, 0), 129, 129), (True, (5, 3), 260, 260), (False, (None, 40), 300, 200)])
+def test_visited_blocks_cover_the_mask(causal, window, q_len, kv_len):
+    """The kernels' tile walk (`_partner_blocks`) against the element mask, both orientations: every
+    visible pair lies in a visited block, every plain block is visible whole (real rows and
+    partners; a padded key block is never plain), and the ranges grow with the block's first
+    row (which the two warpgroups' shared stream relies on)."""
+    left, right = window or (None, None)
+    spec = AttentionSpec(scale=1.0, causal=causal, window_left=left, window_right=right)
+    rows, keys = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+    mask = np.asarray(visible(spec, rows, keys, kv_len))
+    before, after = mosaic_gpu._reach(spec)
+    for own, size, block, num_own, num_partner, orient, b, a, ragged in (
+            ("rows", 64, 128, q_len, kv_len, mask, before, after, kv_len % 128 != 0),
+            ("keys", 64, 64, kv_len, q_len, mask.T, after, before, False)):
+        num = -(-num_partner // block)
+        previous = (0, 0, 0, 0)
+        for first in range(0, num_own, size):
+            lo, plain_lo, plain_hi, hi = (int(x) for x in mosaic_gpu._partner_blocks(
+                first, size, block, num, b, a, ragged))
+            assert lo <= plain_lo <= plain_hi <= hi <= num, (own, first)
+            assert all(x >= y for x, y in zip((lo, hi), (previous[0], previous[3]))), (own, first)
+            previous = (lo, plain_lo, plain_hi, hi)
+            tile = np.zeros((size, num * block), bool)
+            part = orient[first:first + size]
+            tile[:part.shape[0], :part.shape[1]] = part
+            seen = tile.reshape(size, num, block).any(axis=(0, 2))
+            assert not seen[:lo].any() and not seen[hi:].any(), (own, first)
+            for j in range(plain_lo, plain_hi):  # padded own rows and partners may be anything
+                assert part[:, j * block:(j + 1) * block].all(), (own, first, j)
+
+
 @pytest.mark.parametrize("kw, needle", [
-    (dict(window=(4, 0)), "window"), (dict(softcap=5.0), "softcap"), (dict(rope=Rope()), "rope"),
+    (dict(softcap=5.0), "softcap"), (dict(rope=Rope()), "rope"),
     (dict(segment_ids=jnp.zeros((1, 64), jnp.int32)), "segment_ids")])
 def test_refuses_what_it_does_not_serve(kw, needle):
     x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
@@ -75,6 +109,9 @@ GPU_CASES = [
     ((1, 1111, 777, 4, 4, 128), jnp.bfloat16, dict(causal=True)),  # rows past Sk see every key
     ((1, 300, 300, 2, 1, 40), jnp.float16, dict(causal=True, scale=0.3)),
     ((1, 300, 700, 4, 2, 64), jnp.bfloat16, dict(causal=True)),  # keys past the last row: dK = dV = 0
+    ((2, 1500, 1500, 8, 2, 128), jnp.bfloat16, dict(causal=True, window=(256, 0))),  # sliding window
+    ((1, 1000, 1200, 4, 4, 64), jnp.float16, dict(window=(100, 37))),
+    ((1, 640, 640, 2, 1, 128), jnp.bfloat16, dict(window=(0, 0))),  # one key per row
 ]
 
 
