@@ -88,6 +88,18 @@ def test_refuses_dtype_head_dim_and_device():
             flash_attention(x, x, x, implementation="mosaic_gpu")
 
 
+def test_default_rule_on_hopper(monkeypatch):
+    """implementation=None: mosaic_gpu where it serves the call on an sm90 GPU, else pallas_triton."""
+    hopper = jax_attn.DeviceInfo("gpu", "NVIDIA H100 (pretended)", (9, 0), None, 132)
+    monkeypatch.setattr(mosaic_gpu, "device_info", lambda: hopper)
+    pick = lambda dtype=jnp.bfloat16, head_dim=128, **kw: jax_attn.default_implementation(
+        AttentionSpec(scale=1.0, **kw), head_dim, dtype)
+    assert pick(causal=True) == pick(window_left=8, window_right=0) == pick(head_dim=40) == "mosaic_gpu"
+    assert pick(softcap=5.0) == pick(has_segments=True) == pick(rope=Rope()) == "pallas_triton"
+    assert pick(dtype=jnp.float32) == pick(head_dim=256) == pick(head_dim=32) == "pallas_triton"
+    assert jax_attn.default_implementation() == "pallas_triton"  # no call described (stick-breaking)
+
+
 def test_blocks_validated():
     with pytest.raises(ValueError, match="block_q=32 must be a multiple of 64"):
         mosaic_gpu.MosaicBlocks(block_q=32)
