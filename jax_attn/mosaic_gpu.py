@@ -250,13 +250,22 @@ def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
     return tile * 2 * block_q
 
 
-def _key_stream(spec: AttentionSpec, pair_first, bq: int, bkv: int, num_kv: int, kv_len: int):
-    """Key blocks for a query-major CTA: (stream_lo, stream_hi) of the pair and, per warpgroup,
-    its (lo, plain_lo, plain_hi, hi); the last block holds padding when kv_len is ragged."""
+def _query_major(q_ref, k_ref, bq: int, bkv: int, spec: AttentionSpec, kv_len: int):
+    """Where a forward or dQ CTA stands: (batch, head, warpgroup, its first query row, the key
+    stream [stream_lo, stream_hi) of its two row blocks, and per warpgroup (lo, plain_lo,
+    plain_hi, hi)); the last key block holds padding when kv_len is ragged."""
+    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    pair_first = _query_pair(q_ref, bq, spec)
     before, after = _reach(spec)
+    num_kv = k_ref.shape[1] // bkv
     ranges = [_partner_blocks(pair_first + w * bq, bq, bkv, num_kv, before, after, kv_len % bkv != 0)
               for w in range(2)]
-    return ranges[0][0], ranges[1][3], ranges
+    return batch, head, wg, pair_first, ranges[0][0], ranges[1][3], ranges
+
+
+def _own(ranges, wg):
+    """This warpgroup's (lo, plain_lo, plain_hi, hi)."""
+    return [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: MosaicBlocks, spec: AttentionSpec,
@@ -265,15 +274,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: M
     bq, bkv = blocks.block_q, blocks.block_kv
     scale2 = spec.scale * LOG2E
     ring = _Ring(*ring, blocks.stages)
-    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    pair_first = _query_pair(q_ref, bq, spec)
-    stream_lo, stream_hi, ranges = _key_stream(spec, pair_first, bq, bkv, k_ref.shape[1] // bkv, kv_len)
+    batch, head, wg, pair_first, stream_lo, stream_hi, ranges = _query_major(q_ref, k_ref, bq, bkv, spec, kv_len)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         first = pair_first + wg * bq
-        own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
+        own_blocks = _own(ranges, wg)
         q_tile = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(first, bq), head], q_tile, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
@@ -324,15 +331,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     scale2 = spec.scale * LOG2E
     ring = _Ring(*ring, blocks.stages_bwd)
-    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    pair_first = _query_pair(q_ref, bq, spec)
-    stream_lo, stream_hi, ranges = _key_stream(spec, pair_first, bq, bkv, k_ref.shape[1] // bkv, kv_len)
+    batch, head, wg, pair_first, stream_lo, stream_hi, ranges = _query_major(q_ref, k_ref, bq, bkv, spec, kv_len)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         first = pair_first + wg * bq
-        own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
+        own_blocks = _own(ranges, wg)
         rows = pl.ds(first, bq)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[2 * wg])
@@ -391,7 +396,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref,
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         first = pair_first + wg * bkv
-        own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
+        own_blocks = _own(ranges, wg)
         keys = pl.ds(first, bkv)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, own_ready.at[2 * wg])
