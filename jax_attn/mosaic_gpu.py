@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.device import device_info
-from jax_attn.spec import AttentionSpec, visible
+from jax_attn.spec import LOG2E, AttentionSpec, pow2_at_least, visible
 
-LOG2E = math.log2(math.e)
 HEAD_DIMS = (64, 128)  # padded head dims served (a 128-byte swizzle row holds 64 16-bit values)
 WGMMA_ROWS = 64  # rows of one warpgroup's wgmma
 
@@ -80,11 +78,6 @@ def default_mosaic_blocks(head_dim: int) -> MosaicBlocks:
     return MosaicBlocks(64, 128, 2 if head_dim > 64 else 3)
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """The head dim the engine pads to without RoPE (a power of two >= 16)."""
-    return max(16, 1 << max(0, head_dim - 1).bit_length())
-
-
 def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
     """Why the Mosaic GPU kernels cannot serve this call, or None if they can."""
     features = [name for name, used in (
@@ -94,7 +87,7 @@ def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
         return f"the Mosaic GPU kernels serve causal and windowed attention, not {', '.join(features)}"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return f"the Mosaic GPU kernels take float16 or bfloat16, not {jnp.dtype(dtype)}"
-    if padded_head_dim(head_dim) not in HEAD_DIMS:
+    if pow2_at_least(head_dim) not in HEAD_DIMS:  # the engine's padding without RoPE
         return f"the Mosaic GPU kernels serve head dims 33 to 128 (padded to {HEAD_DIMS}), got {head_dim}"
     info = device_info()
     if info.platform != "gpu" or not info.compute_capability or info.compute_capability[0] != 9:
@@ -250,22 +243,31 @@ def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
     return tile * 2 * block_q
 
 
-def _query_major(q_ref, k_ref, bq: int, bkv: int, spec: AttentionSpec, kv_len: int):
-    """Where a forward or dQ CTA stands: (batch, head, warpgroup, its first query row, the key
-    stream [stream_lo, stream_hi) of its two row blocks, and per warpgroup (lo, plain_lo,
-    plain_hi, hi)); the last key block holds padding when kv_len is ragged."""
+def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
+                 spec: AttentionSpec, kv_len: int, group: int):
+    """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
+    compute warpgroup) and the producer streaming the key blocks they see. Runs
+    compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
+    first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
+    the last key block holds padding when kv_len is ragged."""
+    ring = _Ring(*ring, stages)
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = _query_pair(q_ref, bq, spec)
     before, after = _reach(spec)
     num_kv = k_ref.shape[1] // bkv
     ranges = [_partner_blocks(pair_first + w * bq, bq, bkv, num_kv, before, after, kv_len % bkv != 0)
               for w in range(2)]
-    return batch, head, wg, pair_first, ranges[0][0], ranges[1][3], ranges
+    stream = (ranges[0][0], ranges[1][3])
 
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        first = pair_first + wg * bq
+        own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
+        compute(batch, head, wg, first, own_blocks, stream, ring)
 
-def _own(ranges, wg):
-    """This warpgroup's (lo, plain_lo, plain_hi, hi)."""
-    return [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
+    kv_head = lax.div(head, jnp.array(group, head.dtype))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream))
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: MosaicBlocks, spec: AttentionSpec,
@@ -273,14 +275,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: M
     (q_smem, lse_smem), q_ready = own
     bq, bkv = blocks.block_q, blocks.block_kv
     scale2 = spec.scale * LOG2E
-    ring = _Ring(*ring, blocks.stages)
-    batch, head, wg, pair_first, stream_lo, stream_hi, ranges = _query_major(q_ref, k_ref, bq, bkv, spec, kv_len)
 
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(232, action="increase")
-        first = pair_first + wg * bq
-        own_blocks = _own(ranges, wg)
+    def compute(batch, head, wg, first, own_blocks, stream, ring):
+        stream_lo, stream_hi = stream
         q_tile = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(first, bq), head], q_tile, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
@@ -319,8 +316,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: M
                       (jnp.where(empty, -jnp.inf, m + jnp.log(l_safe) * LOG2E), lse_smem.at[wg],
                        lse_ref.at[batch, head, rows])])
 
-    kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, stream_lo, stream_hi))
+    _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
+                 kv_len=kv_len, group=group)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring, *, blocks: MosaicBlocks,
@@ -330,14 +327,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring
     (q_smem, do_smem), own_ready = own
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     scale2 = spec.scale * LOG2E
-    ring = _Ring(*ring, blocks.stages_bwd)
-    batch, head, wg, pair_first, stream_lo, stream_hi, ranges = _query_major(q_ref, k_ref, bq, bkv, spec, kv_len)
 
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(232, action="increase")
-        first = pair_first + wg * bq
-        own_blocks = _own(ranges, wg)
+    def compute(batch, head, wg, first, own_blocks, stream, ring):
+        stream_lo, stream_hi = stream
         rows = pl.ds(first, bq)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[2 * wg])
@@ -367,8 +359,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
         _store_tiles([(dq * spec.scale, q_tile, dq_ref.at[batch, rows, head])])
 
-    kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, stream_lo, stream_hi))
+    _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages_bwd, spec=spec,
+                 kv_len=kv_len, group=group)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref, own, ring, *,
@@ -396,7 +388,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref,
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         first = pair_first + wg * bkv
-        own_blocks = _own(ranges, wg)
+        own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         keys = pl.ds(first, bkv)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, own_ready.at[2 * wg])

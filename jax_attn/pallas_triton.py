@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 
 import jax
@@ -26,9 +25,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_attn import mosaic_gpu
 from jax_attn.rope import inverse_frequencies
-from jax_attn.spec import AttentionSpec, block_ranges, visible
+from jax_attn.spec import LOG2E, AttentionSpec, block_ranges, pow2_at_least, visible
 
-LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # smallest tile side a Triton dot accepts
 
 # jax 0.11 deprecates the Pallas Triton backend with a DeprecationWarning at every lowering (text
@@ -62,16 +60,12 @@ class BlockSizes:
 
     def fitted(self, q_len: int, kv_len: int) -> "BlockSizes":
         """Shrink tiles that exceed the (power-of-two rounded) sequence they tile."""
-        cap_q, cap_k = _pow2_at_least(q_len), _pow2_at_least(kv_len)
+        cap_q, cap_k = pow2_at_least(q_len), pow2_at_least(kv_len)
         return dataclasses.replace(
             self,
             block_q=min(self.block_q, cap_q), block_k=min(self.block_k, cap_k),
             block_q_dkv=min(self.block_q_dkv, cap_q), block_k_dkv=min(self.block_k_dkv, cap_k),
             block_q_dq=min(self.block_q_dq, cap_q), block_k_dq=min(self.block_k_dq, cap_k))
-
-
-def _pow2_at_least(n: int) -> int:
-    return max(MIN_BLOCK, 1 << max(0, n - 1).bit_length())
 
 
 def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope: bool = False,
@@ -557,13 +551,12 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
 
 
 def _forward(st: _Static, q, k, v, side, ranges, *, differentiated: bool):
-    """The forward kernel the call asked for -> out, lse, m2, inv_l[, q rotated]."""
+    """The forward kernel the call asked for -> out, lse, m2, inv_l[, q rotated] (inv_l None for
+    the Mosaic kernels, whose backward recomputes P = exp2(s2 - m2) from m2 = lse2 alone)."""
     if st.mosaic is None:
         return _fwd_call(st, q, k, v, side, ranges, differentiated=differentiated)
     out, lse2 = mosaic_gpu.flash_forward(q, k, v, st.spec, st.kv_len, st.mosaic)
-    # the backward recomputes P = exp2(s2 - m2) * inv_l: from lse2, m2 = lse2 and inv_l = 1
-    empty = lse2 == -jnp.inf
-    return out, lse2 / LOG2E, jnp.where(empty, jnp.inf, lse2), jnp.where(empty, 0.0, 1.0)
+    return out, lse2 / LOG2E, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), None  # empty rows: P = 0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -583,7 +576,7 @@ def _flash_bwd(st, residuals, cotangents):
     do, dlse = cotangents
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     delta = delta - dlse
-    if st.mosaic is not None:  # its forward's statistics: inv_l = 1, m2 = lse2
+    if st.mosaic is not None:
         dq, dk, dv = mosaic_gpu.flash_backward(q, k, v, do.astype(q.dtype), m2, delta, st.spec, st.kv_len,
                                                  st.mosaic)
     else:
@@ -636,9 +629,9 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     batch, q_len, _, head_dim = q.shape
     kv_len = k.shape[1]
     if spec.rope is None:
-        head_pad = _pow2_at_least(head_dim)
+        head_pad = pow2_at_least(head_dim)
     else:  # each half of a rotated pair is a tile of its own: a power of two >= MIN_BLOCK
-        head_pad = 2 * _pow2_at_least(head_dim // 2)
+        head_pad = 2 * pow2_at_least(head_dim // 2)
     if blocks is None:
         blocks = default_block_sizes(head_pad, interpret, q.dtype, rope=spec.rope is not None,
                                      rope_positions=q_pos is not None)
@@ -673,7 +666,9 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     st = _Static(spec, blocks, q_len, kv_len, interpret,
                  rope_arange=spec.rope is not None and q_pos is None, mosaic=mosaic_blocks)
 
-    def ranges(bq, bk, key_major):
+    def ranges(bq, bk, key_major):  # the Triton kernels' tile walk (the Mosaic kernels derive theirs)
+        if mosaic_blocks is not None:
+            return None
         return block_ranges(spec, q_len, kv_len, bq, bk, q_pad // bq, kv_pad // bk,
                             q_seg, kv_seg, key_major=key_major)
 

@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_attn.rope import Rope
+
+LOG2E = math.log2(math.e)  # the kernels exponentiate in base 2
+
+
+def pow2_at_least(n: int, minimum: int = 16) -> int:
+    """The power of two >= n and >= minimum: tile sides and padded head dims (16 = the smallest
+    side a matrix-unit dot takes)."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)

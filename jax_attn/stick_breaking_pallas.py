@@ -33,9 +33,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.pallas_triton import (
-    LOG2E, MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _pow2_at_least, _rope_cos_sin, _rotate,
+    MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
     _side_specs_and_args, _store_parts, _unpack, rope_tables)
-from jax_attn.spec import AttentionSpec
+from jax_attn.spec import LOG2E, AttentionSpec, pow2_at_least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class StickBreakingBlocks:
                 raise ValueError(f"StickBreakingBlocks.{name}={value} must be a power of two >= {MIN_BLOCK}")
 
     def fitted(self, seq_len: int) -> "StickBreakingBlocks":
-        cap = _pow2_at_least(seq_len)
+        cap = pow2_at_least(seq_len)
         return dataclasses.replace(self, block_q=min(self.block_q, cap), block_k=min(self.block_k, cap),
                                    block_q_dkv=min(self.block_q_dkv, cap))
 
@@ -417,7 +417,7 @@ def _sum_compensated(x):
     192 terms sequentially, erring ~6x the kernel's own error. Here: pairwise halving with
     Knuth's TwoSum, each add's exact rounding error carried in a second fp32 word (elementwise
     ops only, which XLA does not reassociate), so the result errs ~1 ulp of the sum."""
-    n = _pow2_at_least(x.shape[-1])
+    n = pow2_at_least(x.shape[-1])
     hi = _pad_axis(x, x.ndim - 1, n)
     lo = jnp.zeros_like(hi)
     while n > 1:
@@ -452,7 +452,7 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     batch, seq_len, _, head_dim = q.shape
-    head_pad = _pow2_at_least(head_dim) if spec.rope is None else 2 * _pow2_at_least(head_dim // 2)
+    head_pad = pow2_at_least(head_dim) if spec.rope is None else 2 * pow2_at_least(head_dim // 2)
     if blocks is None:
         blocks = default_stick_breaking_blocks(head_pad, interpret, q.dtype)
     blocks = blocks.fitted(seq_len)
@@ -462,7 +462,7 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     kp = _pad_axis(_pad_head_dim(k, spec, head_pad, True), 1, seq_pad)
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
-    decay_pad = _pad_axis(decay.astype(jnp.float32), 0, _pow2_at_least(decay.shape[0]))
+    decay_pad = _pad_axis(decay.astype(jnp.float32), 0, pow2_at_least(decay.shape[0]))
     st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2)
     out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]

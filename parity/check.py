@@ -120,12 +120,17 @@ def _golden_disagreement(a, b) -> float:
 
 
 def _mosaic_serves(case: Case) -> bool:
-    """Whether implementation="mosaic_gpu" serves the case here: a Hopper GPU, 16-bit attention,
-    causal and/or windowed (no segments, softcap or RoPE), head dim 33 to 128."""
-    on_hopper = jax_attn.mosaic_gpu.unsupported_reason(jax_attn.AttentionSpec(scale=1.0), 128, jnp.bfloat16) is None
-    return (on_hopper and case.variant == "standard" and case.dtype in ("float16", "bfloat16")
-            and case.segments is None and set(case.call_kwargs()) <= {"causal", "scale", "window"}
-            and 32 < case.shape[5] <= 128)
+    """Whether implementation="mosaic_gpu" serves the case here, by the rule `flash_attention`
+    applies (`mosaic_gpu.unsupported_reason`: device, dtype, head dim, features)."""
+    if case.variant == "stick_breaking":
+        return False
+    kw = case.call_kwargs()
+    left, right = kw.get("window") or (None, None)
+    spec = jax_attn.AttentionSpec(
+        scale=1.0, causal=kw.get("causal", False), window_left=left, window_right=right,
+        softcap=kw.get("softcap"), has_segments=case.segments is not None,
+        rope=None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1]))
+    return jax_attn.mosaic_gpu.unsupported_reason(spec, case.shape[5], jnp.dtype(case.dtype)) is None
 
 
 def check_case(case: Case, device) -> list[dict]:
