@@ -27,14 +27,14 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 
 
 def default_implementation(spec: AttentionSpec | None = None, head_dim: int | None = None,
-                           dtype=None) -> str:
+                           dtype=None, positions: bool = False) -> str:
     """The rule for implementation=None: the Pallas engine wherever Pallas Triton runs — compiled
     on NVIDIA sm80+ GPUs, through the interpreter on CPU; "xla" anywhere else (e.g. TPU). Given
-    the call (spec, head dim, dtype), "mosaic_gpu" where its Hopper kernels serve it (faster than
-    the Triton engine on an H100; `benchmarks/attention.py`)."""
+    the call (spec, head dim, dtype, whether RoPE positions are given), "mosaic_gpu" where its
+    Hopper kernels serve it (faster than the Triton engine on an H100; `benchmarks/`)."""
     if pallas_triton_unsupported_reason() is not None:
         return "xla"
-    if spec is not None and mosaic_gpu.unsupported_reason(spec, head_dim, dtype) is None:
+    if spec is not None and mosaic_gpu.unsupported_reason(spec, head_dim, dtype, positions) is None:
         return "mosaic_gpu"
     return "pallas_triton"
 
@@ -151,9 +151,9 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       return_lse: also return lse [B, Hq, Sq] float32 (natural log; -inf on rows with no
         visible key). The lse output is differentiable.
       implementation: None (see `default_implementation`), "pallas_triton", "mosaic_gpu" (Hopper
-        GPUs; 16-bit attention, causal and/or windowed, without softcap, segments or RoPE,
-        D <= 128: warp-specialised TMA/wgmma kernels, forward and backward; raises on anything
-        else) or "xla".
+        GPUs; 16-bit attention, causal and/or windowed, RoPE at the default positions, without
+        softcap or segments, D <= 128: warp-specialised TMA/wgmma kernels, forward and backward;
+        raises on anything else) or "xla".
 
     Float32 inputs use the matmul precision JAX is configured with
     (`jax.default_matmul_precision`): "highest"/"float32" gives exact fp32 dots, anything else
@@ -177,7 +177,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         causal=bool(causal), window_left=left, window_right=right, softcap=softcap,
         has_segments=q_ids is not None, precision=_fp32_precision(q.dtype), rope=rope)
     if implementation is None:
-        implementation = default_implementation(spec, head_dim, q.dtype)
+        implementation = default_implementation(spec, head_dim, q.dtype, positions=q_pos is not None)
     if implementation not in IMPLEMENTATIONS:
         raise NotImplementedError(
             f"unknown implementation={implementation!r}; choose one of {sorted(IMPLEMENTATIONS)} or None")

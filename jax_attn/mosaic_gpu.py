@@ -29,11 +29,14 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.device import device_info
+from jax_attn.rope import Rope, inverse_frequencies
 from jax_attn.spec import LOG2E, AttentionSpec, pow2_at_least, visible
 
 HEAD_DIMS = (64, 128)  # padded head dims served (a 128-byte swizzle row holds 64 16-bit values)
@@ -78,16 +81,18 @@ def default_mosaic_blocks(head_dim: int) -> MosaicBlocks:
     return MosaicBlocks(64, 128, 2 if head_dim > 64 else 3)
 
 
-def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
-    """Why the Mosaic GPU kernels cannot serve this call, or None if they can."""
+def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype, positions: bool = False) -> str | None:
+    """Why the Mosaic GPU kernels cannot serve this call, or None if they can. `positions`: RoPE
+    positions are given as an array (the kernels serve RoPE at positions arange only)."""
     features = [name for name, used in (
         ("softcap", spec.softcap is not None), ("segment_ids", spec.has_segments),
-        ("rope", spec.rope is not None)) if used]
+        ("RoPE positions arrays", spec.rope is not None and positions)) if used]
     if features:
-        return f"the Mosaic GPU kernels serve causal and windowed attention, not {', '.join(features)}"
+        return (f"the Mosaic GPU kernels serve causal and windowed attention and RoPE at positions "
+                f"arange, not {', '.join(features)}")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return f"the Mosaic GPU kernels take float16 or bfloat16, not {jnp.dtype(dtype)}"
-    if pow2_at_least(head_dim) not in HEAD_DIMS:  # the engine's padding without RoPE
+    if padded_head_dim(spec, head_dim) not in HEAD_DIMS:
         return f"the Mosaic GPU kernels serve head dims 33 to 128 (padded to {HEAD_DIMS}), got {head_dim}"
     info = device_info()
     if info.platform != "gpu" or not info.compute_capability or info.compute_capability[0] != 9:
@@ -96,13 +101,21 @@ def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
     return None
 
 
+def padded_head_dim(spec: AttentionSpec, head_dim: int) -> int:
+    """The engine's head-dim padding: a power of two; with RoPE each half of a pair's columns is
+    one (style "half" pads the halves apart)."""
+    return pow2_at_least(head_dim) if spec.rope is None else 2 * pow2_at_least(head_dim // 2)
+
+
 class _Ring:
     """A stream of blocks through `stages` shared-memory slots, per streamed array: the producer
     warpgroup copies step t's blocks into slot t % stages (`ready[i]` fires when block i landed)
-    and refills a slot once both compute warpgroups released it (`free[i]`, two arrivals)."""
+    and refills a slot once both compute warpgroups released it (`free[i]`, two arrivals). With
+    `landed` (RoPE), array 0's copies land there instead and the producer prepares each block in
+    place (rotates it) before it fires `ready[0]`."""
 
-    def __init__(self, slots, ready, free, stages: int):
-        self.slots, self.ready, self.free, self.stages = slots, ready, free, stages
+    def __init__(self, slots, ready, free, stages: int, landed=None):
+        self.slots, self.ready, self.free, self.stages, self.landed = slots, ready, free, stages, landed
 
     def slot(self, t):
         return lax.rem(t, self.stages)
@@ -124,11 +137,18 @@ class _Ring:
                 self.wait(t, i)
                 self.release(t, i)
 
-    def produce(self, sources, steps, max_steps: int):
+    def produce(self, sources, steps, max_steps: int, prepare=None):
         """The producer warpgroup's loop; sources(t) -> the step's gmem blocks, one per array;
-        steps (traced) <= max_steps (static)."""
+        steps (traced) <= max_steps (static). prepare(t, slot) (with `landed`) transforms array
+        0's block of step t in shared memory, then commits it."""
         def copy(t, i, src):
-            plgpu.copy_gmem_to_smem(src, self.slots[i].at[self.slot(t)], self.ready[i].at[self.slot(t)])
+            arrived = self.landed if prepare is not None and i == 0 else self.ready[i]
+            plgpu.copy_gmem_to_smem(src, self.slots[i].at[self.slot(t)], arrived.at[self.slot(t)])
+
+        def refill(t):
+            for i, src in enumerate(sources(t)):
+                plgpu.barrier_wait(self.free[i].at[self.slot(t)])
+                copy(t, i, src)
 
         def fill(t):
             for i, src in enumerate(sources(t)):
@@ -137,22 +157,34 @@ class _Ring:
         for t in range(min(self.stages, max_steps)):
             pl.when(t < steps)(functools.partial(fill, t))
 
-        @pl.loop(self.stages, steps)
+        if prepare is None:
+            pl.loop(self.stages, steps)(refill)
+            return
+
+        @pl.loop(0, steps)
         def _(t):
-            for i, src in enumerate(sources(t)):
-                plgpu.barrier_wait(self.free[i].at[self.slot(t)])
-                copy(t, i, src)
+            plgpu.barrier_wait(self.landed.at[self.slot(t)])
+            prepare(t, self.slots[0].at[self.slot(t)])
+            plgpu.barrier_arrive(self.ready[0].at[self.slot(t)])
+            # refill the slot step t - 1 used: the compute warpgroups work on step t - 1 while
+            # this warpgroup loads and prepares step t
+            later = t - 1 + self.stages
+            pl.when((t >= 1) & (later < steps))(lambda: refill(later))
 
 
-def _ring_scratch(stages: int, rows: int, head_dim: int, dtype, count: int = 2):
-    """(slots, ready, free) scratch for `count` streamed arrays of [rows, head_dim] blocks."""
-    return ((_smem((stages, rows, head_dim), dtype),) * count, (plgpu.Barrier(num_barriers=stages),) * count,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * count)  # one arrival per compute warpgroup
+def _ring_scratch(stages: int, rows: int, head_dim: int, dtype, count: int = 2, prepared: bool = False):
+    """(slots, ready, free[, landed]) scratch for `count` streamed arrays of [rows, head_dim]
+    blocks; `prepared`: array 0 is prepared by the producer (`_Ring.produce`)."""
+    ready = (plgpu.Barrier(num_barriers=stages),) * count  # TMA arrivals, or the producer's
+    free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * count  # one per compute warpgroup
+    landed = (plgpu.Barrier(num_barriers=stages),) if prepared else ()
+    return ((_smem((stages, rows, head_dim), dtype),) * count, ready, free, *landed)
 
 
 def _smem(shape, dtype):
-    """Shared memory in the layout wgmma reads: 8x64 tiles, 128-byte swizzle."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    """Shared memory in the layout wgmma reads: 8-row tiles of 128-byte swizzled rows."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+                                                plgpu.SwizzleTransform(128)))
 
 
 def _reach(spec: AttentionSpec):
@@ -198,6 +230,93 @@ def _iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
+# ----------------------------------------------------------------------------------------------
+# RoPE at positions arange. A 64-row block b holds positions 64 b + r, r < 64; its cos/sin come by
+# angle addition from one base row (b) and a delta table shared by every block, so a streamed key
+# block costs one 1 KB base row of L2 traffic, not 64 KB of cos/sin (`rope_tables`).
+# ----------------------------------------------------------------------------------------------
+
+ROPE_ROWS = WGMMA_ROWS
+# The forward's producer rotates every streamed key block: registers for that (the compute
+# warpgroups keep the rest of the 64K)
+ROPE_PRODUCER_REGISTERS = 96
+
+
+def rope_tables(rope: Rope, head_dim: int, head_pad: int, length: int):
+    """-> (base [2, length / 64, head_pad], delta [2, 64, head_pad]) fp32: cos and sigma * sin of
+    the angles 64 b theta_c and r theta_c, where column c's pair turns by theta_c (0 on padded
+    pairs) and sigma_c is -1 on a pair's first member, +1 on its second. Then a row at position
+    64 b + r rotates as R x = x cos + sigma sin * partner(x) (`_rotate`)."""
+    half = head_pad // 2
+    theta = jnp.pad(inverse_frequencies(head_dim, rope.base), (0, half - head_dim // 2))
+    column = jnp.arange(head_pad)
+    if rope.style == "interleaved":
+        theta, first = jnp.repeat(theta, 2), column % 2 == 0
+    else:
+        theta, first = jnp.tile(theta, 2), column < half
+    sigma = jnp.where(first, -1.0, 1.0)
+
+    def table(positions):  # the angle as the reference computes it: fp32 position * theta
+        angle = positions.astype(jnp.float32)[:, None] * theta
+        return jnp.stack([jnp.cos(angle), sigma * jnp.sin(angle)])
+
+    return table(jnp.arange(0, length, ROPE_ROWS)), table(jnp.arange(ROPE_ROWS))
+
+
+def _partner(x, style: str):
+    """The other member of every rotated pair of x [rows, D] fp32 (WGMMA layout), by renaming
+    registers, no data leaves its thread: a WGMMA-layout register holds columns (2i, 2i + 1) (style
+    "interleaved": swap the two) and a thread holds columns c and c + D/2 (style "half")."""
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout))
+    def partner(_, array):
+        registers = array.registers  # axis 1: 8-column groups
+        if style == "half":
+            registers = np.roll(registers, registers.shape[1] // 2, axis=1)
+        else:
+            cut = mgpu.utils.vector_slice
+            registers = np.vectorize(lambda r: mgpu.utils.vector_concat([cut(r, slice(1, 2)), cut(r, slice(0, 1))]),
+                                     otypes=[object])(registers)
+        return mgpu.FragmentedArray(_registers=registers, _layout=array.layout, _is_signed=array.is_signed)
+
+    return partner(x)
+
+
+class _Rotary:
+    """The RoPE rotation of 64-row blocks in registers: the base table in gmem, the delta table
+    copied once into shared memory (`fetch`, then `ready` fires)."""
+
+    def __init__(self, style: str, base_ref, delta_ref, delta_smem, ready):
+        self.style, self.base_ref, self.delta_ref, self.delta_smem, self.ready = (
+            style, base_ref, delta_ref, delta_smem, ready)
+
+    @staticmethod
+    def scratch(head_dim: int):
+        return _smem((2, ROPE_ROWS, head_dim), jnp.float32)
+
+    def fetch(self):
+        plgpu.copy_gmem_to_smem(self.delta_ref, self.delta_smem, self.ready)
+
+    def __call__(self, x, block, inverse: bool = False):
+        """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout) at positions 64 block + r."""
+        col = plgpu.Layout.WGMMA.reduce(0)
+        c0, s0 = (lax.broadcast_in_dim(_load_rows(self.base_ref.at[i, block], col), x.shape, [1])
+                  for i in range(2))
+        dc, ds = self.delta_smem[0], self.delta_smem[1]
+        cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
+        turn = _partner(x, self.style) * sin
+        return x * cos - turn if inverse else x * cos + turn
+
+    def tile(self, tile, first_block, inverse: bool = False):
+        """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time; then commit it for
+        the async proxy (wgmma, TMA)."""
+        for c in range(tile.shape[0] // ROPE_ROWS):
+            part = tile.at[pl.ds(c * ROPE_ROWS, ROPE_ROWS)]
+            part[...] = self(part[...].astype(jnp.float32), first_block + c, inverse).astype(tile.dtype)
+        plgpu.commit_smem()
+
+
 def _matmul(shape, a, b):
     """a @ b on wgmma into a fresh fp32 accumulator of `shape`."""
     def run(acc_ref):
@@ -227,11 +346,27 @@ def _store_tiles(pairs):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi):
-    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi)."""
-    plgpu.set_max_registers(40, action="decrease")
+def _register_split(producer: int) -> tuple[int, int]:
+    """(producer, compute) registers per thread: one 128-thread producer warpgroup and two compute
+    warpgroups share the SM's 64K (multiples of 8)."""
+    return producer, (65536 - 128 * producer) // 256 // 8 * 8
+
+
+def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, rotary, rotate_keys: bool):
+    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi);
+    with `rotate_keys`, each K block is rotated in shared memory before the compute warpgroups
+    read it (RoPE), the delta table's copy awaited before the first."""
+    plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if rotate_keys else 40)[0], action="decrease")
+    if rotary is not None:
+        rotary.fetch()
+    prepare = None
+    if rotate_keys:
+        def prepare(t, slot):
+            pl.when(t == 0)(lambda: plgpu.barrier_wait(rotary.ready))
+            rotary.tile(slot, (lo + t) * (bkv // ROPE_ROWS))
+
     keys = lambda u: (batch, pl.ds((lo + u) * bkv, bkv), kv_head)
-    ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv)
+    ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv, prepare)
 
 
 def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
@@ -244,13 +379,14 @@ def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
 
 
 def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
-                 spec: AttentionSpec, kv_len: int, group: int):
+                 spec: AttentionSpec, kv_len: int, group: int, rotary=None, rotate_keys: bool = False):
     """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
     compute warpgroup) and the producer streaming the key blocks they see. Runs
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
     first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
-    the last key block holds padding when kv_len is ragged."""
-    ring = _Ring(*ring, stages)
+    the last key block holds padding when kv_len is ragged. `rotary` (RoPE): the producer
+    fetches its delta table, and rotates the streamed keys if `rotate_keys`."""
+    ring = _Ring(*ring[:3], stages, *ring[3:])
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = _query_pair(q_ref, bq, spec)
     before, after = _reach(spec)
@@ -261,26 +397,43 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
 
     @pl.when(wg < 2)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if rotate_keys else 40)[1],
+                                action="increase")
         first = pair_first + wg * bq
         own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         compute(batch, head, wg, first, own_blocks, stream, ring)
 
     kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream,
+                                       rotary, rotate_keys))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: MosaicBlocks, spec: AttentionSpec,
+def _split_tables(refs, spec: AttentionSpec):
+    """A kernel's refs after its inputs -> (RoPE tables (base, delta) or (), its outputs)."""
+    count = 2 if spec.rope is not None else 0
+    return refs[:count], refs[count:]
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: AttentionSpec,
                     kv_len: int, group: int):
-    (q_smem, lse_smem), q_ready = own
+    """Outputs o, lse2 and, given a third output (RoPE, differentiated), q rotated."""
+    *refs, own, ring = refs
+    tables, (o_ref, lse_ref, *q_rot_ref) = _split_tables(tuple(refs), spec)
+    (q_smem, *delta_smem), own_ready = own
+    rotary = _Rotary(spec.rope.style, *tables, delta_smem[0], own_ready.at[2]) if tables else None
     bq, bkv = blocks.block_q, blocks.block_kv
     scale2 = spec.scale * LOG2E
 
     def compute(batch, head, wg, first, own_blocks, stream, ring):
         stream_lo, stream_hi = stream
-        q_tile = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(first, bq), head], q_tile, q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
+        q_tile, rows = q_smem.at[wg], pl.ds(first, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
+        plgpu.barrier_wait(own_ready.at[wg])
+        if rotary is not None:
+            plgpu.barrier_wait(rotary.ready)
+            rotary.tile(q_tile, first // ROPE_ROWS)
+            if q_rot_ref:  # the backward reads q rotated
+                plgpu.copy_smem_to_gmem(q_tile, q_rot_ref[0].at[batch, rows, head])
 
         def step(t, carry, masked: bool):
             m, l, acc = carry
@@ -311,20 +464,25 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, own, ring, *, blocks: M
 
         empty = l == 0.0  # no visible key: output 0, lse -inf (never NaN)
         l_safe = jnp.where(empty, 1.0, l)
-        rows = pl.ds(first, bq)
-        _store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head]),
-                      (jnp.where(empty, -jnp.inf, m + jnp.log(l_safe) * LOG2E), lse_smem.at[wg],
-                       lse_ref.at[batch, head, rows])])
+        if q_rot_ref:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_tile is reused below
+        # lse straight from registers (a [64] fp32 row is too small for a TMA's staging to pay)
+        lse_ref.at[batch, head, rows][...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe) * LOG2E)
+        _store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
-                 kv_len=kv_len, group=group)
+                 kv_len=kv_len, group=group, rotary=rotary, rotate_keys=rotary is not None)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring, *, blocks: MosaicBlocks,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
                spec: AttentionSpec, group: int, kv_len: int):
     """dQ = scale * dS K with dS = P (dO V^T - delta), P = exp2(s2 - m2); two query blocks per CTA
-    (one per compute warpgroup) stream the key blocks, as the forward, and mask as it does."""
-    (q_smem, do_smem), own_ready = own
+    (one per compute warpgroup) stream the key blocks, as the forward, and mask as it does. With
+    RoPE q and k come rotated (the forward's q, the dK/dV kernel's k) and dQ is rotated back."""
+    *refs, own, ring = refs
+    tables, (dq_ref,) = _split_tables(tuple(refs), spec)
+    (q_smem, do_smem, *delta_smem), own_ready = own
+    rotary = _Rotary(spec.rope.style, *tables, delta_smem[0], own_ready.at[4]) if tables else None
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     scale2 = spec.scale * LOG2E
 
@@ -355,20 +513,28 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dq_ref, own, ring
             return dq
 
         ring.follow(0, own_blocks[0] - stream_lo)
-        dq = _walk(step, _zeros((bq, q_ref.shape[3])), own_blocks)
+        dq = _walk(step, _zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
-        _store_tiles([(dq * spec.scale, q_tile, dq_ref.at[batch, rows, head])])
+        if rotary is not None:
+            plgpu.barrier_wait(rotary.ready)
+            dq = rotary(dq, first // ROPE_ROWS, inverse=True)
+        _store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages_bwd, spec=spec,
-                 kv_len=kv_len, group=group)
+                 kv_len=kv_len, group=group, rotary=rotary)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref, own, ring, *,
-                 blocks: MosaicBlocks, spec: AttentionSpec, group: int, kv_len: int):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
+                 spec: AttentionSpec, group: int, kv_len: int):
     """dV = P^T dO, dK = scale * dS^T Q, summed over the kv head's query heads: two key blocks per
     CTA (one per compute warpgroup) stream the (query head, query block) pairs, computing the
-    transposed tiles S^T = K Q^T directly. Padded query rows have dO = 0 and delta = 0: they add 0."""
-    (k_smem, v_smem), own_ready = own
+    transposed tiles S^T = K Q^T directly. Padded query rows have dO = 0 and delta = 0: they add 0.
+    With RoPE q comes rotated; each warpgroup rotates its key block once, writes it out for the dQ
+    kernel (third output) and rotates dK back."""
+    *refs, own, ring = refs
+    tables, (dk_ref, dv_ref, *k_rot_ref) = _split_tables(tuple(refs), spec)
+    (k_smem, v_smem, *delta_smem), own_ready = own
+    rotary = _Rotary(spec.rope.style, *tables, delta_smem[0], own_ready.at[4]) if tables else None
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     scale2 = spec.scale * LOG2E
     ring = _Ring(*ring, blocks.stages_bwd)
@@ -394,6 +560,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref,
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, own_ready.at[2 * wg])
         plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile, own_ready.at[2 * wg + 1])
         plgpu.barrier_wait(own_ready.at[2 * wg])
+        if rotary is not None:
+            plgpu.barrier_wait(rotary.ready)
+            rotary.tile(k_tile, first // ROPE_ROWS)
+            plgpu.copy_smem_to_gmem(k_tile, k_rot_ref[0].at[batch, keys, kv_head])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -426,12 +596,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, dk_ref, dv_ref,
 
         zeros = _zeros((bkv, k_ref.shape[3]))
         dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
-        _store_tiles([(dk * spec.scale, k_tile, dk_ref.at[batch, keys, kv_head]),
-                      (dv, v_tile, dv_ref.at[batch, keys, kv_head])])
+        dk = dk * spec.scale
+        if rotary is not None:
+            dk = rotary(dk, first // ROPE_ROWS, inverse=True)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # k_tile is reused below
+        _store_tiles([(dk, k_tile, dk_ref.at[batch, keys, kv_head]), (dv, v_tile, dv_ref.at[batch, keys, kv_head])])
 
     @pl.when(wg == 2)
     def _produce():
         plgpu.set_max_registers(40, action="decrease")
+        if rotary is not None:
+            rotary.fetch()
 
         def sources(t):
             head, i = at(t)
@@ -452,37 +627,54 @@ def _launch(kernel, args, out_type, grid, grid_names, own, ring):
                         thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
 
 
-def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks):
+def _check_rope_blocks(blocks: MosaicBlocks):
+    """The rotation works on 64-row blocks (one per compute warpgroup)."""
+    if (blocks.block_q, blocks.block_q_bwd, blocks.block_kv_bwd) != (ROPE_ROWS,) * 3 or blocks.block_kv % ROPE_ROWS:
+        raise ValueError(f"RoPE on the Mosaic GPU kernels needs block_q = block_q_bwd = block_kv_bwd = "
+                         f"{ROPE_ROWS} and block_kv a multiple of it, got {blocks}")
+
+
+def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None,
+                  rotated_q: bool = False):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], padded to `blocks.tiles`, D in HEAD_DIMS; keys >=
-    kv_len are padding (masked).
-    -> (out [B, Sq, Hq, D], lse2 [B, Hq, Sq] float32, base 2, of the scaled scores)."""
+    kv_len are padding (masked). With spec.rope, `rope` = `rope_tables(...)` covering both lengths.
+    -> (out [B, Sq, Hq, D], lse2 [B, Hq, Sq] float32, base 2, of the scaled scores
+    [, q rotated, if rotated_q: what the backward reads])."""
     batch, q_pad, num_heads, head_dim = q.shape
     kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
-    own = ((_smem((2, blocks.block_q, head_dim), q.dtype), plgpu.SMEM((2, blocks.block_q), jnp.float32)),
-           plgpu.Barrier(num_barriers=2))
+    own_smem = (_smem((2, blocks.block_q, head_dim), q.dtype),)
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
+    tables = ()
+    if spec.rope is not None:
+        _check_rope_blocks(blocks)
+        tables, own_smem = tuple(rope), own_smem + (_Rotary.scratch(head_dim),)
+        out_type += (jax.ShapeDtypeStruct(q.shape, q.dtype),) * rotated_q
     grid = (num_heads, q_pad // blocks.q_tile, batch)
-    return _launch(kernel, (q, k, v), out_type, grid, ("heads", "q_tiles", "batch"),
-                   own, _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype))
+    return _launch(kernel, (q, k, v, *tables), out_type, grid, ("heads", "q_tiles", "batch"),
+                   (own_smem, plgpu.Barrier(num_barriers=3)),
+                   _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype, prepared=bool(tables)))
 
 
-def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks):
+def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None):
     """The gradients from the forward's statistics: P = exp2(s2 - m2) (m2 = lse2; +inf on empty
     rows), delta = rowsum(dO * O) - dlse [B, Hq, Sq] fp32. Arrays padded as for `flash_forward`
-    (with zeros). -> (dq, dk, dv) in the input dtype, dk/dv per kv head."""
+    (with zeros); with spec.rope, q is the forward's rotated q and `rope` its tables. -> (dq, dk,
+    dv) in the input dtype, dk/dv per kv head."""
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     options = dict(blocks=blocks, spec=spec, group=num_heads // num_kv_heads, kv_len=kv_len)
-    two_blocks = lambda rows, dtype: (_smem((2, rows, head_dim), dtype),) * 2
-    args = (q, k, v, do, m2, delta)
-    dq = _launch(functools.partial(_dq_kernel, **options), args, jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 (num_heads, q_pad // (2 * bq), batch), ("heads", "q_tiles", "batch"),
-                 (two_blocks(bq, q.dtype), plgpu.Barrier(num_barriers=4)),
+    tables, extra = (), ()
+    if spec.rope is not None:
+        _check_rope_blocks(blocks)
+        tables, extra = tuple(rope), (_Rotary.scratch(head_dim),)
+    own = lambda rows, dtype: ((_smem((2, rows, head_dim), dtype),) * 2 + extra, plgpu.Barrier(num_barriers=5))
+    dkdv_out = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * (3 if tables else 2)  # dk, dv[, k rotated]
+    dk, dv, *k_rot = _launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
+                             dkdv_out, (num_kv_heads, kv_pad // (2 * bkv), batch), ("heads", "k_tiles", "batch"),
+                             own(bkv, k.dtype), _ring_scratch(blocks.stages_bwd, bq, head_dim, q.dtype))
+    dq = _launch(functools.partial(_dq_kernel, **options), (q, *(k_rot or [k]), v, do, m2, delta, *tables),
+                 jax.ShapeDtypeStruct(q.shape, q.dtype), (num_heads, q_pad // (2 * bq), batch),
+                 ("heads", "q_tiles", "batch"), own(bq, q.dtype),
                  _ring_scratch(blocks.stages_bwd, bkv, head_dim, k.dtype))
-    dk, dv = _launch(functools.partial(_dkdv_kernel, **options), args,
-                     (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-                     (num_kv_heads, kv_pad // (2 * bkv), batch), ("heads", "k_tiles", "batch"),
-                     (two_blocks(bkv, k.dtype), plgpu.Barrier(num_barriers=4)),
-                     _ring_scratch(blocks.stages_bwd, bq, head_dim, q.dtype))
     return dq, dk, dv

@@ -555,8 +555,9 @@ def _forward(st: _Static, q, k, v, side, ranges, *, differentiated: bool):
     the Mosaic kernels, whose backward recomputes P = exp2(s2 - m2) from m2 = lse2 alone)."""
     if st.mosaic is None:
         return _fwd_call(st, q, k, v, side, ranges, differentiated=differentiated)
-    out, lse2 = mosaic_gpu.flash_forward(q, k, v, st.spec, st.kv_len, st.mosaic)
-    return out, lse2 / LOG2E, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), None  # empty rows: P = 0
+    out, lse2, *q_rot = mosaic_gpu.flash_forward(q, k, v, st.spec, st.kv_len, st.mosaic, side[2],
+                                                 rotated_q=differentiated and st.spec.rope is not None)
+    return out, lse2 / LOG2E, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), None, *q_rot  # empty rows: P = 0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -578,7 +579,7 @@ def _flash_bwd(st, residuals, cotangents):
     delta = delta - dlse
     if st.mosaic is not None:
         dq, dk, dv = mosaic_gpu.flash_backward(q, k, v, do.astype(q.dtype), m2, delta, st.spec, st.kv_len,
-                                                 st.mosaic)
+                                                 st.mosaic, side[2])
     else:
         dq, dk, dv = _bwd_call(st, q, k, v, side, dq_ranges, dkdv_ranges,
                                do.astype(q.dtype), m2, inv_l, delta)
@@ -628,10 +629,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
         interpret = jax.default_backend() == "cpu"
     batch, q_len, _, head_dim = q.shape
     kv_len = k.shape[1]
-    if spec.rope is None:
-        head_pad = pow2_at_least(head_dim)
-    else:  # each half of a rotated pair is a tile of its own: a power of two >= MIN_BLOCK
-        head_pad = 2 * pow2_at_least(head_dim // 2)
+    head_pad = mosaic_gpu.padded_head_dim(spec, head_dim)
     if blocks is None:
         blocks = default_block_sizes(head_pad, interpret, q.dtype, rope=spec.rope is not None,
                                      rope_positions=q_pos is not None)
@@ -639,7 +637,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     tile_q = max(blocks.block_q, blocks.block_q_dkv, blocks.block_q_dq)
     tile_k = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
     if kernels == "mosaic_gpu":
-        if reason := mosaic_gpu.unsupported_reason(spec, head_dim, q.dtype):
+        if reason := mosaic_gpu.unsupported_reason(spec, head_dim, q.dtype, positions=q_pos is not None):
             raise NotImplementedError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
         mosaic_blocks = mosaic_blocks or mosaic_gpu.default_mosaic_blocks(head_pad)
         tile_q, tile_k = max(tile_q, mosaic_blocks.tiles[0]), max(tile_k, mosaic_blocks.tiles[1])
@@ -655,7 +653,9 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     side = [None] * 4
     if fields:
         side[:2] = _side_info(fields, q_pad, q_seg), _side_info(fields, kv_pad, kv_seg)
-    if spec.rope is not None:
+    if spec.rope is not None and mosaic_blocks is not None:  # (positions arange: angle addition)
+        side[2] = mosaic_gpu.rope_tables(spec.rope, head_dim, head_pad, max(q_pad, kv_pad))
+    elif spec.rope is not None:
         side[2:] = (rope_tables(q_pos, spec.rope, head_dim, head_pad, q_pad, batch),
                     rope_tables(kv_pos, spec.rope, head_dim, head_pad, kv_pad, batch))
     side = tuple(side)

@@ -32,6 +32,52 @@ def test_kernel_lowers_for_cuda(causal, head_dim, seq, kv_len, group):
     assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("style, head_dim, group", [("interleaved", 128, 2), ("half", 64, 1)])
+def test_rope_kernels_lower_for_cuda(style, head_dim, group):
+    spec = AttentionSpec(scale=head_dim ** -0.5, causal=True, rope=Rope(style=style))
+    blocks = mosaic_gpu.default_mosaic_blocks(head_dim)
+    q = jax.ShapeDtypeStruct((1, 256, 2 * group, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1, 2 * group, 256), jnp.float32)
+    tables = mosaic_gpu.rope_tables(spec.rope, head_dim, head_dim, 256)
+    f = jax.jit(lambda *a: mosaic_gpu.flash_forward(*a[:3], spec, 200, blocks, a[3], rotated_q=True))
+    assert "mosaic_gpu" in f.trace(q, kv, kv, tables).lower(lowering_platforms=("cuda",)).as_text()
+    g = jax.jit(lambda *a: mosaic_gpu.flash_backward(*a[:6], spec, 200, blocks, a[6]))
+    assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows, tables).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="block_q = block_q_bwd = block_kv_bwd = 64"):
+        mosaic_gpu.flash_forward(q, kv, kv, spec, 200, mosaic_gpu.MosaicBlocks(block_q=128), tables)
+
+
+@pytest.mark.parametrize("style, head_dim, head_pad", [("interleaved", 128, 128), ("half", 64, 64),
+                                                       ("half", 40, 64), ("interleaved", 96, 128)])
+def test_rope_tables_rotate_as_the_reference(style, head_dim, head_pad):
+    """The kernels' rotation, R x = x cos + sigma sin * partner(x), with cos/sin by angle addition
+    from `rope_tables`, and partner() as `_partner` moves registers, equals `apply_rope`; R^T
+    undoes it. (On the GPU the golden tests run the kernels themselves.)"""
+    from jax_attn.pallas_triton import _pad_head_dim
+    from jax_attn.rope import apply_rope
+    rope, length = Rope(style=style), 256
+    spec = AttentionSpec(scale=1.0, rope=rope)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, length, 1, head_dim)), jnp.float32)
+    base, delta = mosaic_gpu.rope_tables(rope, head_dim, head_pad, length)
+    rows = jnp.arange(length)
+    cos0, sin0 = base[0][rows // 64], base[1][rows // 64]
+    cos_d, sin_d = delta[0][rows % 64], delta[1][rows % 64]
+    cos, sin = cos0 * cos_d - sin0 * sin_d, sin0 * cos_d + cos0 * sin_d
+    padded = _pad_head_dim(x, spec, head_pad, True)[0, :, 0]
+    if style == "half":
+        partner = jnp.roll(padded, head_pad // 2, axis=1)
+    else:
+        partner = padded.reshape(length, -1, 2)[:, :, ::-1].reshape(length, head_pad)
+    rotated = padded * cos + partner * sin
+    expected = _pad_head_dim(apply_rope(x, None, rope), spec, head_pad, True)[0, :, 0]
+    # both round fp32 angles of up to 256 rad (ulp 3e-5), at different points
+    np.testing.assert_allclose(rotated, expected, atol=1e-4)
+    partner_r = (jnp.roll(rotated, head_pad // 2, axis=1) if style == "half"
+                 else rotated.reshape(length, -1, 2)[:, :, ::-1].reshape(length, head_pad))
+    np.testing.assert_allclose(rotated * cos - partner_r * sin, padded, atol=2e-5)
+
+
 @pytest.mark.parametrize("causal, window, q_len, kv_len", [
     (False, None, 300, 300), (True, None, 300, 300), (True, None, 200, 333), (True, None, 333, 200),
     (False, (64, 0), 256, 256), (True, (100, None), 500, 470), (False, (30, 70), 256, 300),
@@ -67,7 +113,7 @@ def test_visited_blocks_cover_the_mask(causal, window, q_len, kv_len):
 
 
 @pytest.mark.parametrize("kw, needle", [
-    (dict(softcap=5.0), "softcap"), (dict(rope=Rope()), "rope"),
+    (dict(softcap=5.0), "softcap"), (dict(rope=Rope(), positions=jnp.zeros((1, 64), jnp.int32)), "positions"),
     (dict(segment_ids=jnp.zeros((1, 64), jnp.int32)), "segment_ids")])
 def test_refuses_what_it_does_not_serve(kw, needle):
     x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
@@ -92,11 +138,14 @@ def test_default_rule_on_hopper(monkeypatch):
     """implementation=None: mosaic_gpu where it serves the call on an sm90 GPU, else pallas_triton."""
     hopper = jax_attn.DeviceInfo("gpu", "NVIDIA H100 (pretended)", (9, 0), None, 132)
     monkeypatch.setattr(mosaic_gpu, "device_info", lambda: hopper)
-    pick = lambda dtype=jnp.bfloat16, head_dim=128, **kw: jax_attn.default_implementation(
-        AttentionSpec(scale=1.0, **kw), head_dim, dtype)
+    pick = lambda dtype=jnp.bfloat16, head_dim=128, positions=False, **kw: jax_attn.default_implementation(
+        AttentionSpec(scale=1.0, **kw), head_dim, dtype, positions)
     assert pick(causal=True) == pick(window_left=8, window_right=0) == pick(head_dim=40) == "mosaic_gpu"
-    assert pick(softcap=5.0) == pick(has_segments=True) == pick(rope=Rope()) == "pallas_triton"
+    assert pick(rope=Rope()) == pick(rope=Rope(style="half"), head_dim=96) == "mosaic_gpu"
+    assert pick(softcap=5.0) == pick(has_segments=True) == pick(rope=Rope(), positions=True) == "pallas_triton"
     assert pick(dtype=jnp.float32) == pick(head_dim=256) == pick(head_dim=32) == "pallas_triton"
+    # RoPE pads each half of the pairs' columns: 34 -> 2 * 32, 32 -> 2 * 16
+    assert pick(rope=Rope(), head_dim=34) == "mosaic_gpu" and pick(rope=Rope(), head_dim=32) == "pallas_triton"
     assert jax_attn.default_implementation() == "pallas_triton"  # no call described (stick-breaking)
 
 
@@ -123,6 +172,12 @@ GPU_CASES = [
     ((1, 300, 700, 4, 2, 64), jnp.bfloat16, dict(causal=True)),  # keys past the last row: dK = dV = 0
     ((2, 1500, 1500, 8, 2, 128), jnp.bfloat16, dict(causal=True, window=(256, 0))),  # sliding window
     ((1, 1000, 1200, 4, 4, 64), jnp.float16, dict(window=(100, 37))),
+    # RoPE at positions arange: the producer rotates the streamed keys (forward), dK/dV rotates its
+    # key block once and writes it for dQ; dQ, dK rotated back
+    ((2, 1024, 1024, 8, 2, 128), jnp.bfloat16, dict(causal=True, rope=Rope())),
+    ((1, 1000, 1000, 4, 4, 128), jnp.bfloat16, dict(causal=True, rope=Rope(style="half"))),
+    ((1, 777, 1111, 4, 1, 96), jnp.float16, dict(rope=Rope(style="half"))),  # halves padded apart
+    ((1, 600, 600, 4, 2, 64), jnp.float16, dict(causal=True, window=(200, 0), rope=Rope(base=500.0))),
 ]
 
 
