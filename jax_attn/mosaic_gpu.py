@@ -347,9 +347,11 @@ def _store_tiles(pairs):
 
 
 def _register_split(producer: int) -> tuple[int, int]:
-    """(producer, compute) registers per thread: one 128-thread producer warpgroup and two compute
-    warpgroups share the SM's 64K (multiples of 8)."""
-    return producer, (65536 - 128 * producer) // 256 // 8 * 8
+    """(producer, compute) registers per thread (multiples of 8). The CTA's 384 threads start with
+    168 each (64K / 384, rounded down to 8) and setmaxnreg only moves registers between its
+    warpgroups: a compute warpgroup's increase waits until the producer's decrease freed enough,
+    so the split must fit 3 * 168 (FA3's 40 / 232 fills it exactly)."""
+    return producer, (3 * 168 - producer) // 2 // 8 * 8
 
 
 def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, rotary, rotate_keys: bool):
