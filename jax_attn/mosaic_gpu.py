@@ -263,29 +263,42 @@ def rope_tables(rope: Rope, head_dim: int, head_pad: int, length: int):
     return table(jnp.arange(0, length, ROPE_ROWS)), table(jnp.arange(ROPE_ROWS))
 
 
-def _partner(x, style: str):
-    """The other member of every rotated pair of x [rows, D] fp32 (WGMMA layout), by renaming
-    registers, no data leaves its thread: a WGMMA-layout register holds columns (2i, 2i + 1) (style
-    "interleaved": swap the two) and a thread holds columns c and c + D/2 (style "half")."""
+ROPE_PIECE = 32  # columns rotated at a time: one fp32 shared-memory tile row (128 bytes)
+
+
+def _swap_pairs(x):
+    """Style "interleaved": the other member of every pair (2i, 2i + 1) of x [rows, cols] fp32
+    (WGMMA layout), whose registers each hold one such pair: swap them, no data leaves its thread."""
     layout = plgpu.Layout.WGMMA
 
     @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout))
-    def partner(_, array):
-        registers = array.registers  # axis 1: 8-column groups
-        if style == "half":
-            registers = np.roll(registers, registers.shape[1] // 2, axis=1)
-        else:
-            cut = mgpu.utils.vector_slice
-            registers = np.vectorize(lambda r: mgpu.utils.vector_concat([cut(r, slice(1, 2)), cut(r, slice(0, 1))]),
-                                     otypes=[object])(registers)
+    def swap(_, array):
+        cut = mgpu.utils.vector_slice
+        registers = np.vectorize(lambda r: mgpu.utils.vector_concat([cut(r, slice(1, 2)), cut(r, slice(0, 1))]),
+                                 otypes=[object])(array.registers)
         return mgpu.FragmentedArray(_registers=registers, _layout=array.layout, _is_signed=array.is_signed)
 
-    return partner(x)
+    return swap(x)
+
+
+def _join_columns(parts):
+    """Concatenate [rows, c_i] arrays (WGMMA layout) along the columns: registers only."""
+    layout = plgpu.Layout.WGMMA
+    shape = (parts[0].shape[0], sum(p.shape[1] for p in parts))
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(parts),
+                       return_type=plgpu.ShapeDtypeStruct(shape, parts[0].dtype, layout))
+    def join(_, *arrays):
+        registers = np.concatenate([a.registers for a in arrays], axis=1)  # axis 1: 8-column groups
+        return mgpu.FragmentedArray(_registers=registers, _layout=arrays[0].layout, _is_signed=arrays[0].is_signed)
+
+    return join(*parts)
 
 
 class _Rotary:
     """The RoPE rotation of 64-row blocks in registers: the base table in gmem, the delta table
-    copied once into shared memory (`fetch`, then `ready` fires)."""
+    copied once into shared memory (`fetch`, then `ready` fires). A block rotates in pieces of 32
+    columns, which bounds the registers it holds (the producer warpgroup rotates with few)."""
 
     def __init__(self, style: str, base_ref, delta_ref, delta_smem, ready):
         self.style, self.base_ref, self.delta_ref, self.delta_smem, self.ready = (
@@ -298,22 +311,39 @@ class _Rotary:
     def fetch(self):
         plgpu.copy_gmem_to_smem(self.delta_ref, self.delta_smem, self.ready)
 
+    def pieces(self, piece, block, inverse: bool):
+        """R x (R^T x if inverse) at positions 64 block + r, r < 64, for x [64, D] given by its
+        32-column pieces (piece(j) -> fp32, WGMMA layout): -> the rotated pieces."""
+        count = self.delta_smem.shape[-1] // ROPE_PIECE
+        col = plgpu.Layout.WGMMA.reduce(0)
+        out = []
+        for j in range(count):
+            cols = pl.ds(j * ROPE_PIECE, ROPE_PIECE)
+            shape = (ROPE_ROWS, ROPE_PIECE)
+            c0, s0 = (lax.broadcast_in_dim(_load_rows(self.base_ref.at[i, block, cols], col), shape, [1])
+                      for i in range(2))
+            dc, ds = self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
+            cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
+            x = piece(j)
+            # style "half" pairs column c with c + D/2, a whole piece away
+            partner = piece((j + count // 2) % count) if self.style == "half" else _swap_pairs(x)
+            turn = partner * sin
+            out.append(x * cos - turn if inverse else x * cos + turn)
+        return out
+
     def __call__(self, x, block, inverse: bool = False):
         """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout) at positions 64 block + r."""
-        col = plgpu.Layout.WGMMA.reduce(0)
-        c0, s0 = (lax.broadcast_in_dim(_load_rows(self.base_ref.at[i, block], col), x.shape, [1])
-                  for i in range(2))
-        dc, ds = self.delta_smem[0], self.delta_smem[1]
-        cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
-        turn = _partner(x, self.style) * sin
-        return x * cos - turn if inverse else x * cos + turn
+        return _join_columns(self.pieces(lambda j: x[:, j * ROPE_PIECE:(j + 1) * ROPE_PIECE], block, inverse))
 
     def tile(self, tile, first_block, inverse: bool = False):
         """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time; then commit it for
         the async proxy (wgmma, TMA)."""
         for c in range(tile.shape[0] // ROPE_ROWS):
             part = tile.at[pl.ds(c * ROPE_ROWS, ROPE_ROWS)]
-            part[...] = self(part[...].astype(jnp.float32), first_block + c, inverse).astype(tile.dtype)
+            x = part[...]
+            out = self.pieces(lambda j: x[:, j * ROPE_PIECE:(j + 1) * ROPE_PIECE].astype(jnp.float32),
+                              first_block + c, inverse)
+            part[...] = _join_columns([o.astype(tile.dtype) for o in out])
         plgpu.commit_smem()
 
 
