@@ -139,8 +139,8 @@ class _Ring:
 
     def produce(self, sources, steps, max_steps: int, prepare=None):
         """The producer warpgroup's loop; sources(t) -> the step's gmem blocks, one per array;
-        steps (traced) <= max_steps (static). prepare(t, slot, wait) (with `landed`) transforms
-        array 0's block of step t in shared memory once wait() returned (it landed), then commits it."""
+        steps (traced) <= max_steps (static). prepare(t, slot) (with `landed`) transforms array
+        0's block of step t in shared memory, then commits it."""
         def copy(t, i, src):
             arrived = self.landed if prepare is not None and i == 0 else self.ready[i]
             plgpu.copy_gmem_to_smem(src, self.slots[i].at[self.slot(t)], arrived.at[self.slot(t)])
@@ -163,7 +163,8 @@ class _Ring:
 
         @pl.loop(0, steps)
         def _(t):
-            prepare(t, self.slots[0].at[self.slot(t)], lambda: plgpu.barrier_wait(self.landed.at[self.slot(t)]))
+            plgpu.barrier_wait(self.landed.at[self.slot(t)])
+            prepare(t, self.slots[0].at[self.slot(t)])
             plgpu.barrier_arrive(self.ready[0].at[self.slot(t)])
             # refill the slot step t - 1 used: the compute warpgroups work on step t - 1 while
             # this warpgroup loads and prepares step t
@@ -310,48 +311,38 @@ class _Rotary:
     def fetch(self):
         plgpu.copy_gmem_to_smem(self.delta_ref, self.delta_smem, self.ready)
 
-    def base(self, block):
-        """The base rows of a block, per piece: (cos, sigma sin) of 64 block theta_c, as column
-        vectors (loaded from gmem: issued early, they hide their latency)."""
-        col = plgpu.Layout.WGMMA.reduce(0)
-        return [tuple(_load_rows(self.base_ref.at[i, block, pl.ds(j * ROPE_PIECE, ROPE_PIECE)], col)
-                      for i in range(2)) for j in range(self.delta_smem.shape[-1] // ROPE_PIECE)]
-
-    def pieces(self, piece, base, inverse: bool):
+    def pieces(self, piece, block, inverse: bool):
         """R x (R^T x if inverse) at positions 64 block + r, r < 64, for x [64, D] given by its
-        32-column pieces (piece(j) -> fp32, WGMMA layout), base = self.base(block): -> the
-        rotated pieces."""
+        32-column pieces (piece(j) -> fp32, WGMMA layout): -> the rotated pieces."""
+        count = self.delta_smem.shape[-1] // ROPE_PIECE
+        col = plgpu.Layout.WGMMA.reduce(0)
         out = []
-        shape = (ROPE_ROWS, ROPE_PIECE)
-        for j, (c0, s0) in enumerate(base):
+        for j in range(count):
             cols = pl.ds(j * ROPE_PIECE, ROPE_PIECE)
-            c0, s0 = (lax.broadcast_in_dim(b, shape, [1]) for b in (c0, s0))
+            shape = (ROPE_ROWS, ROPE_PIECE)
+            c0, s0 = (lax.broadcast_in_dim(_load_rows(self.base_ref.at[i, block, cols], col), shape, [1])
+                      for i in range(2))
             dc, ds = self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
             cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
             x = piece(j)
             # style "half" pairs column c with c + D/2, a whole piece away
-            partner = piece((j + len(base) // 2) % len(base)) if self.style == "half" else _swap_pairs(x)
+            partner = piece((j + count // 2) % count) if self.style == "half" else _swap_pairs(x)
             turn = partner * sin
             out.append(x * cos - turn if inverse else x * cos + turn)
         return out
 
     def __call__(self, x, block, inverse: bool = False):
         """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout) at positions 64 block + r."""
-        return _join_columns(self.pieces(lambda j: x[:, j * ROPE_PIECE:(j + 1) * ROPE_PIECE],
-                                         self.base(block), inverse))
+        return _join_columns(self.pieces(lambda j: x[:, j * ROPE_PIECE:(j + 1) * ROPE_PIECE], block, inverse))
 
-    def tile(self, tile, first_block, wait=None):
-        """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time, after wait() (its
-        data landed; the base rows are loaded before); then commit it for the async proxy (wgmma,
-        TMA)."""
-        chunks = tile.shape[0] // ROPE_ROWS
-        bases = [self.base(first_block + c) for c in range(chunks)]
-        if wait is not None:
-            wait()
-        for c, base in enumerate(bases):
+    def tile(self, tile, first_block, inverse: bool = False):
+        """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time; then commit it for
+        the async proxy (wgmma, TMA)."""
+        for c in range(tile.shape[0] // ROPE_ROWS):
             part = tile.at[pl.ds(c * ROPE_ROWS, ROPE_ROWS)]
             x = part[...]
-            out = self.pieces(lambda j: x[:, j * ROPE_PIECE:(j + 1) * ROPE_PIECE].astype(jnp.float32), base, False)
+            out = self.pieces(lambda j: x[:, j * ROPE_PIECE:(j + 1) * ROPE_PIECE].astype(jnp.float32),
+                              first_block + c, inverse)
             part[...] = _join_columns([o.astype(tile.dtype) for o in out])
         plgpu.commit_smem()
 
@@ -402,9 +393,9 @@ def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, rota
         rotary.fetch()
     prepare = None
     if rotate_keys:
-        def prepare(t, slot, wait):
+        def prepare(t, slot):
             pl.when(t == 0)(lambda: plgpu.barrier_wait(rotary.ready))
-            rotary.tile(slot, (lo + t) * (bkv // ROPE_ROWS), wait)
+            rotary.tile(slot, (lo + t) * (bkv // ROPE_ROWS))
 
     keys = lambda u: (batch, pl.ds((lo + u) * bkv, bkv), kv_head)
     ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv, prepare)
