@@ -242,63 +242,85 @@ ROPE_ROWS = WGMMA_ROWS
 ROPE_PRODUCER_REGISTERS = 96
 
 
+ROPE_PIECE = 32  # pairs rotated at a time: one fp32 shared-memory tile row (128 bytes)
+
+
+def _pair_order(pairs: int) -> jnp.ndarray:
+    """Style "interleaved": the order of the pair angles in the tables. In the WGMMA layout a
+    thread's register holds one pair (columns 2i, 2i + 1) and a 64-column piece gives it the pairs
+    a + 4 g (a = its lane % 4, g the register's 8-column group); a 32-column fp32 table piece loads
+    as its registers g' = 0..3, elements e = 0, 1: storing pair a + 8 g' + 4 e there makes table
+    element (g', e) the angle of register g = 2 g' + e (`_interleave`)."""
+    local = np.arange(ROPE_PIECE)
+    local = (local % 8) // 2 + 8 * (local // 8) + 4 * (local % 2)
+    return jnp.asarray((np.arange(pairs) // ROPE_PIECE * ROPE_PIECE + np.tile(local, pairs // ROPE_PIECE)))
+
+
 def rope_tables(rope: Rope, head_dim: int, head_pad: int, length: int):
-    """-> (base [2, length / 64, head_pad], delta [2, 64, head_pad]) fp32: cos and sigma * sin of
-    the angles 64 b theta_c and r theta_c, where column c's pair turns by theta_c (0 on padded
-    pairs) and sigma_c is -1 on a pair's first member, +1 on its second. Then a row at position
-    64 b + r rotates as R x = x cos + sigma sin * partner(x) (`_rotate`)."""
-    half = head_pad // 2
-    theta = jnp.pad(inverse_frequencies(head_dim, rope.base), (0, half - head_dim // 2))
-    column = jnp.arange(head_pad)
+    """-> (base [2, length / 64, head_pad / 2], delta [2, 64, head_pad / 2]) fp32: cos and sin of
+    the angles 64 b theta_i and r theta_i per pair i (theta 0 on padded pairs; style "interleaved"
+    in `_pair_order`). A row at position 64 b + r turns by their sum (angle addition)."""
+    pairs = head_pad // 2
+    theta = jnp.pad(inverse_frequencies(head_dim, rope.base), (0, pairs - head_dim // 2))
     if rope.style == "interleaved":
-        theta, first = jnp.repeat(theta, 2), column % 2 == 0
-    else:
-        theta, first = jnp.tile(theta, 2), column < half
-    sigma = jnp.where(first, -1.0, 1.0)
+        theta = theta[_pair_order(pairs)]
 
     def table(positions):  # the angle as the reference computes it: fp32 position * theta
         angle = positions.astype(jnp.float32)[:, None] * theta
-        return jnp.stack([jnp.cos(angle), sigma * jnp.sin(angle)])
+        return jnp.stack([jnp.cos(angle), jnp.sin(angle)])
 
     return table(jnp.arange(0, length, ROPE_ROWS)), table(jnp.arange(ROPE_ROWS))
 
 
-ROPE_PIECE = 32  # columns rotated at a time: one fp32 shared-memory tile row (128 bytes)
-
-
-def _swap_pairs(x):
-    """Style "interleaved": the other member of every pair (2i, 2i + 1) of x [rows, cols] fp32
-    (WGMMA layout), whose registers each hold one such pair: swap them, no data leaves its thread."""
+def _register_op(fn, parts, shape):
+    """fn(registers of parts...) -> registers, for arrays in the WGMMA layout: moves registers (and
+    elements within them) only; the result has `shape`, fp32."""
     layout = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout))
-    def swap(_, array):
-        cut = mgpu.utils.vector_slice
-        registers = np.vectorize(lambda r: mgpu.utils.vector_concat([cut(r, slice(1, 2)), cut(r, slice(0, 1))]),
-                                 otypes=[object])(array.registers)
-        return mgpu.FragmentedArray(_registers=registers, _layout=array.layout, _is_signed=array.is_signed)
-
-    return swap(x)
-
-
-def _join_columns(parts):
-    """Concatenate [rows, c_i] arrays (WGMMA layout) along the columns: registers only."""
-    layout = plgpu.Layout.WGMMA
-    shape = (parts[0].shape[0], sum(p.shape[1] for p in parts))
 
     @plgpu.inline_mgpu(arg_types=(layout,) * len(parts),
                        return_type=plgpu.ShapeDtypeStruct(shape, parts[0].dtype, layout))
-    def join(_, *arrays):
-        registers = np.concatenate([a.registers for a in arrays], axis=1)  # axis 1: 8-column groups
-        return mgpu.FragmentedArray(_registers=registers, _layout=arrays[0].layout, _is_signed=arrays[0].is_signed)
+    def op(_, *arrays):
+        return mgpu.FragmentedArray(_registers=fn(*(a.registers for a in arrays)), _layout=arrays[0].layout,
+                                    _is_signed=arrays[0].is_signed)
 
-    return join(*parts)
+    return op(*parts)
+
+
+def _element(register, e):
+    return mgpu.utils.vector_slice(register, slice(e, e + 1))
+
+
+def _swap_pairs(x):
+    """[rows, cols] -> the pair partner of every element: a register holds a pair (2i, 2i + 1)."""
+    swap = np.vectorize(lambda r: mgpu.utils.vector_concat([_element(r, 1), _element(r, 0)]), otypes=[object])
+    return _register_op(swap, [x], x.shape)
+
+
+def _interleave(first, second):
+    """Table pieces [rows, 32] (`_pair_order`) -> [rows, 64] whose register g = 2 g' + e holds
+    (first, second)[g'][e] as its pair: the per-pair angles spread over the pairs' columns."""
+    def spread(a, b):
+        out = np.empty((a.shape[0], 2 * a.shape[1], *a.shape[2:]), object)  # axis 1: 8-column groups
+        for index in np.ndindex(a.shape):
+            for e in range(2):
+                out[(index[0], 2 * index[1] + e, *index[2:])] = mgpu.utils.vector_concat(
+                    [_element(a[index], e), _element(b[index], e)])
+        return out
+
+    return _register_op(spread, [first, second], (first.shape[0], 2 * first.shape[1]))
+
+
+def _join_columns(parts):
+    """Concatenate [rows, c_i] arrays along the columns (registers only)."""
+    shape = (parts[0].shape[0], sum(p.shape[1] for p in parts))
+    return _register_op(lambda *r: np.concatenate(r, axis=1), parts, shape)
 
 
 class _Rotary:
     """The RoPE rotation of 64-row blocks in registers: the base table in gmem, the delta table
-    copied once into shared memory (`fetch`, then `ready` fires). A block rotates in pieces of 32
-    columns, which bounds the registers it holds (the producer warpgroup rotates with few)."""
+    copied once into shared memory (`fetch`, then `ready` fires). A block rotates 32 pairs at a
+    time (bounded registers: the producer warpgroup rotates with few); cos and sin are computed
+    once per pair (angle addition) and spread over its two columns by moving registers."""
 
     def __init__(self, style: str, base_ref, delta_ref, delta_smem, ready):
         self.style, self.base_ref, self.delta_ref, self.delta_smem, self.ready = (
@@ -306,34 +328,38 @@ class _Rotary:
 
     @staticmethod
     def scratch(head_dim: int):
-        return _smem((2, ROPE_ROWS, head_dim), jnp.float32)
+        return _smem((2, ROPE_ROWS, head_dim // 2), jnp.float32)
 
     def fetch(self):
         plgpu.copy_gmem_to_smem(self.delta_ref, self.delta_smem, self.ready)
 
-    def pieces(self, piece, block, inverse: bool):
-        """R x (R^T x if inverse) at positions 64 block + r, r < 64, for x [64, D] given by its
-        32-column pieces (piece(j) -> fp32, WGMMA layout): -> the rotated pieces."""
+    def pieces(self, columns, block, inverse: bool):
+        """R x (R^T x if inverse) at positions 64 block + r, r < 64, for x [64, D] given by
+        columns(start, width) -> x[:, start:start + width] fp32 (WGMMA layout): -> the rotated
+        column pieces, in order."""
         count = self.delta_smem.shape[-1] // ROPE_PIECE
         col = plgpu.Layout.WGMMA.reduce(0)
-        out = []
+        shape = (ROPE_ROWS, ROPE_PIECE)
+        out = [None] * (2 * count)
         for j in range(count):
             cols = pl.ds(j * ROPE_PIECE, ROPE_PIECE)
-            shape = (ROPE_ROWS, ROPE_PIECE)
             c0, s0 = (lax.broadcast_in_dim(_load_rows(self.base_ref.at[i, block, cols], col), shape, [1])
                       for i in range(2))
             dc, ds = self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
             cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
-            x = piece(j)
-            # style "half" pairs column c with c + D/2, a whole piece away
-            partner = piece((j + count // 2) % count) if self.style == "half" else _swap_pairs(x)
-            turn = partner * sin
-            out.append(x * cos - turn if inverse else x * cos + turn)
-        return out
+            if inverse:
+                sin = -sin
+            if self.style == "half":  # pairs (c, c + D/2): piece j and piece j + count
+                a, b = columns(j * ROPE_PIECE, ROPE_PIECE), columns((j + count) * ROPE_PIECE, ROPE_PIECE)
+                out[j], out[j + count] = a * cos - b * sin, b * cos + a * sin
+            else:  # 32 pairs (2i, 2i + 1) span 64 columns: (a, b) -> (a cos - b sin, b cos + a sin)
+                x = columns(2 * j * ROPE_PIECE, 2 * ROPE_PIECE)
+                out[2 * j] = x * _interleave(cos, cos) + _swap_pairs(x) * _interleave(-sin, sin)
+        return [o for o in out if o is not None]
 
     def __call__(self, x, block, inverse: bool = False):
         """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout) at positions 64 block + r."""
-        return _join_columns(self.pieces(lambda j: x[:, j * ROPE_PIECE:(j + 1) * ROPE_PIECE], block, inverse))
+        return _join_columns(self.pieces(lambda start, width: x[:, start:start + width], block, inverse))
 
     def tile(self, tile, first_block, inverse: bool = False):
         """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time; then commit it for
@@ -341,7 +367,7 @@ class _Rotary:
         for c in range(tile.shape[0] // ROPE_ROWS):
             part = tile.at[pl.ds(c * ROPE_ROWS, ROPE_ROWS)]
             x = part[...]
-            out = self.pieces(lambda j: x[:, j * ROPE_PIECE:(j + 1) * ROPE_PIECE].astype(jnp.float32),
+            out = self.pieces(lambda start, width: x[:, start:start + width].astype(jnp.float32),
                               first_block + c, inverse)
             part[...] = _join_columns([o.astype(tile.dtype) for o in out])
         plgpu.commit_smem()

@@ -51,31 +51,44 @@ def test_rope_kernels_lower_for_cuda(style, head_dim, group):
 @pytest.mark.parametrize("style, head_dim, head_pad", [("interleaved", 128, 128), ("half", 64, 64),
                                                        ("half", 40, 64), ("interleaved", 96, 128)])
 def test_rope_tables_rotate_as_the_reference(style, head_dim, head_pad):
-    """The kernels' rotation, R x = x cos + sigma sin * partner(x), with cos/sin by angle addition
-    from `rope_tables`, and partner() as `_partner` moves registers, equals `apply_rope`; R^T
-    undoes it. (On the GPU the golden tests run the kernels themselves.)"""
+    """The kernels' rotation, (a, b) -> (a cos - b sin, b cos + a sin) per pair, cos/sin by angle
+    addition from `rope_tables` (pairs in `_pair_order`), equals `apply_rope`; R^T undoes it. (On
+    the GPU the golden tests run the kernels themselves.)"""
     from jax_attn.pallas_triton import _pad_head_dim
-    from jax_attn.rope import apply_rope
+    from jax_attn.rope import apply_rope, merge_pairs, split_pairs
     rope, length = Rope(style=style), 256
     spec = AttentionSpec(scale=1.0, rope=rope)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, length, 1, head_dim)), jnp.float32)
     base, delta = mosaic_gpu.rope_tables(rope, head_dim, head_pad, length)
     rows = jnp.arange(length)
-    cos0, sin0 = base[0][rows // 64], base[1][rows // 64]
-    cos_d, sin_d = delta[0][rows % 64], delta[1][rows % 64]
+    cos0, sin0, cos_d, sin_d = base[0][rows // 64], base[1][rows // 64], delta[0][rows % 64], delta[1][rows % 64]
     cos, sin = cos0 * cos_d - sin0 * sin_d, sin0 * cos_d + cos0 * sin_d
-    padded = _pad_head_dim(x, spec, head_pad, True)[0, :, 0]
-    if style == "half":
-        partner = jnp.roll(padded, head_pad // 2, axis=1)
-    else:
-        partner = padded.reshape(length, -1, 2)[:, :, ::-1].reshape(length, head_pad)
-    rotated = padded * cos + partner * sin
+    if style == "interleaved":  # table column -> pair
+        natural = jnp.argsort(mosaic_gpu._pair_order(head_pad // 2))
+        cos, sin = cos[:, natural], sin[:, natural]
+    a, b = split_pairs(_pad_head_dim(x, spec, head_pad, True)[0, :, 0], style)
+    rotated = merge_pairs(a * cos - b * sin, b * cos + a * sin, style)
     expected = _pad_head_dim(apply_rope(x, None, rope), spec, head_pad, True)[0, :, 0]
     # both round fp32 angles of up to 256 rad (ulp 3e-5), at different points
     np.testing.assert_allclose(rotated, expected, atol=1e-4)
-    partner_r = (jnp.roll(rotated, head_pad // 2, axis=1) if style == "half"
-                 else rotated.reshape(length, -1, 2)[:, :, ::-1].reshape(length, head_pad))
-    np.testing.assert_allclose(rotated * cos - partner_r * sin, padded, atol=2e-5)
+    ra, rb = split_pairs(rotated, style)
+    np.testing.assert_allclose(merge_pairs(ra * cos + rb * sin, rb * cos - ra * sin, style),
+                               merge_pairs(a, b, style), atol=1e-5)
+
+
+def test_pair_order_matches_the_register_layout():
+    """`_interleave` gives register g = 2 g' + e of a 64-column piece the table element (g', e); in
+    the WGMMA layout lane l holds columns 2 (l % 4) + 8 g + {0, 1} (pair (l % 4) + 4 g), and a
+    32-column table piece gives it columns 2 (l % 4) + 8 g' + e: `_pair_order` must store pair
+    (l % 4) + 4 (2 g' + e) there."""
+    order = np.asarray(mosaic_gpu._pair_order(64))
+    for piece in range(2):
+        for lane in range(32):
+            for g_table in range(4):
+                for e in range(2):
+                    table_column = piece * 32 + 2 * (lane % 4) + 8 * g_table + e
+                    g = 2 * g_table + e
+                    assert order[table_column] == piece * 32 + (lane % 4) + 4 * g
 
 
 @pytest.mark.parametrize("causal, window, q_len, kv_len", [
