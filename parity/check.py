@@ -121,7 +121,7 @@ def _golden_disagreement(a, b) -> float:
 
 def _mosaic_serves(case: Case) -> bool:
     """Whether implementation="mosaic_gpu" serves the case here, by the rule `flash_attention`
-    applies (`mosaic_gpu.unsupported_reason`: device, dtype, head dim, features)."""
+    applies (`mosaic_gpu.unsupported_reason`: device, dtype, head dim, features, RoPE positions)."""
     if case.variant == "stick_breaking":
         return False
     kw = case.call_kwargs()
@@ -130,7 +130,8 @@ def _mosaic_serves(case: Case) -> bool:
         scale=1.0, causal=kw.get("causal", False), window_left=left, window_right=right,
         softcap=kw.get("softcap"), has_segments=case.segments is not None,
         rope=None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1]))
-    return jax_attn.mosaic_gpu.unsupported_reason(spec, case.shape[5], jnp.dtype(case.dtype)) is None
+    return jax_attn.mosaic_gpu.unsupported_reason(spec, case.shape[5], jnp.dtype(case.dtype),
+                                                  positions=case.positions is not None) is None
 
 
 def check_case(case: Case, device) -> list[dict]:

@@ -95,7 +95,8 @@ def test_rope_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("style", STYLES)
-def test_gpu_rope(style):
+@pytest.mark.parametrize("implementation", ["pallas_triton", "mosaic_gpu"])
+def test_gpu_rope(style, implementation):
     assert jax.default_backend() == "gpu"
     check_against_golden((2, 1024, 1024, 8, 2, 128), dtype=jnp.bfloat16, causal=True,
-                         rope=Rope(style=style))
+                         rope=Rope(style=style), implementation=implementation)
