@@ -17,6 +17,10 @@ base 2 (P = exp2(s2 - lse2)), exact enough for 16-bit gradients.
 Serves softmax attention with causal and sliding-window masks (any lengths, GQA, any scale,
 16-bit, padded head dim 64 or 128): each warpgroup walks only the blocks its rows can see, the
 edge blocks masked (`_partner_blocks`); `unsupported_reason` names what it does not serve.
+RoPE at positions arange (`_Rotary`): the forward's producer rotates every streamed key block in
+shared memory before it signals it ready, the compute warpgroups their own query block; the
+backward reads q rotated (written by the forward) and k rotated (written by the dK/dV kernel,
+which rotates its own block once) and rotates dq, dk back.
 
 No interpreter runs these kernels on CPU (jax 0.10); the tests lower them there and run them on
 the GPU.
