@@ -106,8 +106,8 @@ def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype, positions: boo
 
 
 def padded_head_dim(spec: AttentionSpec, head_dim: int) -> int:
-    """The engine's head-dim padding: a power of two; with RoPE each half of a pair's columns is
-    one (style "half" pads the halves apart)."""
+    """The engine's head-dim padding (both engines): a power of two; with RoPE twice one, so that
+    the pairs' first and second columns each fill a power of two (style "half" pads them apart)."""
     return pow2_at_least(head_dim) if spec.rope is None else 2 * pow2_at_least(head_dim // 2)
 
 
@@ -245,8 +245,6 @@ ROPE_ROWS = WGMMA_ROWS
 # warpgroups keep the rest, 184). H100, 2x8192x16x128 causal bf16 forward: 96 -> 1.69 ms,
 # 128 -> 1.40 ms, 160 -> 1.43 ms (no RoPE: 0.97 ms)
 ROPE_PRODUCER_REGISTERS = 128
-
-
 ROPE_PIECE = 32  # pairs rotated at a time: one fp32 shared-memory tile row (128 bytes)
 
 
@@ -278,8 +276,9 @@ def rope_tables(rope: Rope, head_dim: int, head_pad: int, length: int):
 
 
 def _register_op(fn, parts, shape):
-    """fn(registers of parts...) -> registers, for arrays in the WGMMA layout: moves registers (and
-    elements within them) only; the result has `shape`, fp32."""
+    """fn(registers of parts...) -> registers, for arrays in the WGMMA layout (a register: two
+    adjacent columns; the register array's axis 1: 8-column groups); moves registers and the
+    elements within them only. The result has `shape` and the parts' dtype."""
     layout = plgpu.Layout.WGMMA
 
     @plgpu.inline_mgpu(arg_types=(layout,) * len(parts),
@@ -345,7 +344,7 @@ class _Rotary:
         count = self.delta_smem.shape[-1] // ROPE_PIECE
         col = plgpu.Layout.WGMMA.reduce(0)
         shape = (ROPE_ROWS, ROPE_PIECE)
-        out = [None] * (2 * count)
+        firsts, seconds = [], []  # style "half": the pieces of the pairs' first and second columns
         for j in range(count):
             cols = pl.ds(j * ROPE_PIECE, ROPE_PIECE)
             c0, s0 = (lax.broadcast_in_dim(_load_rows(self.base_ref.at[i, block, cols], col), shape, [1])
@@ -356,24 +355,25 @@ class _Rotary:
                 sin = -sin
             if self.style == "half":  # pairs (c, c + D/2): piece j and piece j + count
                 a, b = columns(j * ROPE_PIECE, ROPE_PIECE), columns((j + count) * ROPE_PIECE, ROPE_PIECE)
-                out[j], out[j + count] = a * cos - b * sin, b * cos + a * sin
+                firsts.append(a * cos - b * sin)
+                seconds.append(b * cos + a * sin)
             else:  # 32 pairs (2i, 2i + 1) span 64 columns: (a, b) -> (a cos - b sin, b cos + a sin)
                 x = columns(2 * j * ROPE_PIECE, 2 * ROPE_PIECE)
-                out[2 * j] = x * _interleave(cos, cos) + _swap_pairs(x) * _interleave(-sin, sin)
-        return [o for o in out if o is not None]
+                firsts.append(x * _interleave(cos, cos) + _swap_pairs(x) * _interleave(-sin, sin))
+        return firsts + seconds
 
     def __call__(self, x, block, inverse: bool = False):
         """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout) at positions 64 block + r."""
         return _join_columns(self.pieces(lambda start, width: x[:, start:start + width], block, inverse))
 
-    def tile(self, tile, first_block, inverse: bool = False):
+    def tile(self, tile, first_block):
         """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time; then commit it for
         the async proxy (wgmma, TMA)."""
         for c in range(tile.shape[0] // ROPE_ROWS):
             part = tile.at[pl.ds(c * ROPE_ROWS, ROPE_ROWS)]
             x = part[...]
             out = self.pieces(lambda start, width: x[:, start:start + width].astype(jnp.float32),
-                              first_block + c, inverse)
+                              first_block + c, inverse=False)
             part[...] = _join_columns([o.astype(tile.dtype) for o in out])
         plgpu.commit_smem()
 
