@@ -225,7 +225,8 @@ _LOAD_NEEDS_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is i
 
 
 def _load_rows(ref, layout):
-    """A [rows] fp32 vector from gmem into registers, in the layout of a wgmma tile's rows or columns."""
+    """An fp32 array from gmem into registers: a [rows] vector in the layout of a wgmma tile's rows
+    or columns, or a [64, cols] tile in the WGMMA layout."""
     index = ((),) if _LOAD_NEEDS_INDEX else ()
     return plgpu.load(ref, *index, layout=layout, optimized=False)
 
@@ -321,12 +322,14 @@ def _join_columns(parts):
 
 
 class _Rotary:
-    """The RoPE rotation of 64-row blocks in registers: the base table in gmem, the delta table
-    copied once into shared memory (`fetch`, then `ready` fires). A block rotates 32 pairs at a
-    time (bounded registers: the producer warpgroup rotates with few); cos and sin are computed
-    once per pair (angle addition) and spread over its two columns by moving registers."""
+    """The RoPE rotation of 64-row blocks in registers: the tables in gmem; for the forward, which
+    rotates every streamed key block, the delta table copied once into shared memory (`fetch`,
+    then `ready` fires). A block rotates 32 pairs at a time (bounded registers: the producer
+    warpgroup rotates with few); cos and sin are computed once per pair (angle addition) and
+    spread over its two columns by moving registers. (The backward rotates a block only once and
+    reads the delta table from gmem: 32 KB more shared memory would halve its CTAs per SM.)"""
 
-    def __init__(self, style: str, base_ref, delta_ref, delta_smem, ready):
+    def __init__(self, style: str, base_ref, delta_ref, delta_smem=None, ready=None):
         self.style, self.base_ref, self.delta_ref, self.delta_smem, self.ready = (
             style, base_ref, delta_ref, delta_smem, ready)
 
@@ -337,11 +340,16 @@ class _Rotary:
     def fetch(self):
         plgpu.copy_gmem_to_smem(self.delta_ref, self.delta_smem, self.ready)
 
+    def _delta(self, cols):
+        if self.delta_smem is not None:
+            return self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
+        return tuple(_load_rows(self.delta_ref.at[i, :, cols], plgpu.Layout.WGMMA) for i in range(2))
+
     def pieces(self, columns, block, inverse: bool):
         """R x (R^T x if inverse) at positions 64 block + r, r < 64, for x [64, D] given by
         columns(start, width) -> x[:, start:start + width] fp32 (WGMMA layout): -> the rotated
         column pieces, in order."""
-        count = self.delta_smem.shape[-1] // ROPE_PIECE
+        count = self.delta_ref.shape[-1] // ROPE_PIECE
         col = plgpu.Layout.WGMMA.reduce(0)
         shape = (ROPE_ROWS, ROPE_PIECE)
         firsts, seconds = [], []  # style "half": the pieces of the pairs' first and second columns
@@ -349,7 +357,7 @@ class _Rotary:
             cols = pl.ds(j * ROPE_PIECE, ROPE_PIECE)
             c0, s0 = (lax.broadcast_in_dim(_load_rows(self.base_ref.at[i, block, cols], col), shape, [1])
                       for i in range(2))
-            dc, ds = self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
+            dc, ds = self._delta(cols)
             cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
             if inverse:
                 sin = -sin
@@ -415,15 +423,15 @@ def _register_split(producer: int) -> tuple[int, int]:
     return producer, (3 * 168 - producer) // 2 // 8 * 8
 
 
-def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, rotary, rotate_keys: bool):
+def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, rotary):
     """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi);
-    with `rotate_keys`, each K block is rotated in shared memory before the compute warpgroups
-    read it (RoPE), the delta table's copy awaited before the first."""
-    plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if rotate_keys else 40)[0], action="decrease")
+    with `rotary` (RoPE), each K block is rotated in shared memory before the compute warpgroups
+    read it, the delta table's copy awaited before the first."""
+    plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if rotary else 40)[0], action="decrease")
+    prepare = None
     if rotary is not None:
         rotary.fetch()
-    prepare = None
-    if rotate_keys:
+
         def prepare(t, slot):
             pl.when(t == 0)(lambda: plgpu.barrier_wait(rotary.ready))
             rotary.tile(slot, (lo + t) * (bkv // ROPE_ROWS))
@@ -442,13 +450,13 @@ def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
 
 
 def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
-                 spec: AttentionSpec, kv_len: int, group: int, rotary=None, rotate_keys: bool = False):
+                 spec: AttentionSpec, kv_len: int, group: int, rotary=None):
     """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
     compute warpgroup) and the producer streaming the key blocks they see. Runs
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
     first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
     the last key block holds padding when kv_len is ragged. `rotary` (RoPE): the producer
-    fetches its delta table, and rotates the streamed keys if `rotate_keys`."""
+    rotates the streamed keys."""
     ring = _Ring(*ring[:3], stages, *ring[3:])
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = _query_pair(q_ref, bq, spec)
@@ -460,15 +468,13 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
 
     @pl.when(wg < 2)
     def _compute():
-        plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if rotate_keys else 40)[1],
-                                action="increase")
+        plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if rotary else 40)[1], action="increase")
         first = pair_first + wg * bq
         own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         compute(batch, head, wg, first, own_blocks, stream, ring)
 
     kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream,
-                                       rotary, rotate_keys))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, rotary))
 
 
 def _split_tables(refs, spec: AttentionSpec):
@@ -534,7 +540,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
         _store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
-                 kv_len=kv_len, group=group, rotary=rotary, rotate_keys=rotary is not None)
+                 kv_len=kv_len, group=group, rotary=rotary)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
@@ -544,8 +550,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
     RoPE q and k come rotated (the forward's q, the dK/dV kernel's k) and dQ is rotated back."""
     *refs, own, ring = refs
     tables, (dq_ref,) = _split_tables(tuple(refs), spec)
-    (q_smem, do_smem, *delta_smem), own_ready = own
-    rotary = _Rotary(spec.rope.style, *tables, delta_smem[0], own_ready.at[4]) if tables else None
+    (q_smem, do_smem), own_ready = own
+    rotary = _Rotary(spec.rope.style, *tables) if tables else None
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     scale2 = spec.scale * LOG2E
 
@@ -579,12 +585,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         dq = _walk(step, _zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
         if rotary is not None:
-            plgpu.barrier_wait(rotary.ready)
             dq = rotary(dq, first // ROPE_ROWS, inverse=True)
         _store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages_bwd, spec=spec,
-                 kv_len=kv_len, group=group, rotary=rotary)
+                 kv_len=kv_len, group=group)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
@@ -596,8 +601,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
     kernel (third output) and rotates dK back."""
     *refs, own, ring = refs
     tables, (dk_ref, dv_ref, *k_rot_ref) = _split_tables(tuple(refs), spec)
-    (k_smem, v_smem, *delta_smem), own_ready = own
-    rotary = _Rotary(spec.rope.style, *tables, delta_smem[0], own_ready.at[4]) if tables else None
+    (k_smem, v_smem), own_ready = own
+    rotary = _Rotary(spec.rope.style, *tables) if tables else None
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     scale2 = spec.scale * LOG2E
     ring = _Ring(*ring, blocks.stages_bwd)
@@ -624,7 +629,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile, own_ready.at[2 * wg + 1])
         plgpu.barrier_wait(own_ready.at[2 * wg])
         if rotary is not None:
-            plgpu.barrier_wait(rotary.ready)
             rotary.tile(k_tile, first // ROPE_ROWS)
             plgpu.copy_smem_to_gmem(k_tile, k_rot_ref[0].at[batch, keys, kv_head])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
@@ -668,8 +672,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
     @pl.when(wg == 2)
     def _produce():
         plgpu.set_max_registers(40, action="decrease")
-        if rotary is not None:
-            rotary.fetch()
 
         def sources(t):
             head, i = at(t)
@@ -727,11 +729,11 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     options = dict(blocks=blocks, spec=spec, group=num_heads // num_kv_heads, kv_len=kv_len)
-    tables, extra = (), ()
+    tables = ()
     if spec.rope is not None:
         _check_rope_blocks(blocks)
-        tables, extra = tuple(rope), (_Rotary.scratch(head_dim),)
-    own = lambda rows, dtype: ((_smem((2, rows, head_dim), dtype),) * 2 + extra, plgpu.Barrier(num_barriers=5))
+        tables = tuple(rope)
+    own = lambda rows, dtype: ((_smem((2, rows, head_dim), dtype),) * 2, plgpu.Barrier(num_barriers=4))
     dkdv_out = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * (3 if tables else 2)  # dk, dv[, k rotated]
     dk, dv, *k_rot = _launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
                              dkdv_out, (num_kv_heads, kv_pad // (2 * bkv), batch), ("heads", "k_tiles", "batch"),
