@@ -324,6 +324,30 @@ def _load_rotated(base, rows, r_ok, s_row, s_col, pos_base, s_pos, theta, offs_h
 
 
 @triton.jit
+def _load_own(ptr, rows, r_ok, s_row, s_col, pos_ptr, s_pos, THETA, offs_d, d_ok, placeholder,
+              HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, CHECK_D: tl.constexpr, ROPE: tl.constexpr,
+              INTERLEAVED: tl.constexpr, TILE_POS: tl.constexpr = False):
+    """A program's own block of q or k (rows `rows`) -> (x, x2, offs_h, h_ok, theta): with ROPE
+    its pair parts rotated by their positions, each [rows, BLOCK_H], the pair columns and THETA's
+    [BLOCK_H]; else the block [rows, BLOCK_D], with offs_d, d_ok and `placeholder` standing in for
+    the unused rest (`_load_rotated`, TILE_POS)."""
+    if ROPE:  # (one return: triton matches the types of every return, constexpr branches too)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, BLOCK_H)
+        h_ok = offs_h < HALF
+        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
+        x, x2 = _load_rotated(ptr, rows, r_ok, s_row, s_col, pos_ptr, s_pos, theta, offs_h, h_ok, HALF, True,
+                              BLOCK_H != HALF, INTERLEAVED, False, TILE_POS)
+    else:
+        x = _load_2d(ptr + rows[:, None] * s_row + offs_d[None, :] * s_col, r_ok, d_ok, True, CHECK_D)
+        x2 = x
+        offs_h = offs_d
+        h_ok = d_ok
+        theta = placeholder
+    return x, x2, offs_h, h_ok, theta
+
+
+@triton.jit
 def _store_unrotated(base, rows, r_ok, s_row, s_col, g_a, g_b, pos_base, s_pos, theta, offs_h, h_ok,
                      HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Store the gradient w.r.t. the unrotated input from (g_a, g_b) [rows, BLOCK_H] (fp32, w.r.t.
@@ -412,21 +436,12 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS,
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
 
+    q, q2, offs_h, h_ok, theta = _load_own(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
+                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
+                                           ROPE_INTERLEAVED)
+    kp_base = KPOS
     if ROPE:
-        offs_h = tl.arange(0, BLOCK_H)
-        h_ok = offs_h < HALF
-        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
-        q, q2 = _load_rotated(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, theta, offs_h,
-                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
         kp_base = KPOS + b * skpb
-    else:
-        q = _load_2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True,
-                     CHECK_D)
-        q2 = q  # unused placeholders
-        offs_h = offs_d
-        h_ok = d_ok
-        theta = score_mul
-        kp_base = KPOS
     qs = 0
     if HAS_SEGMENTS:
         qs = tl.load(QSEG + b * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
@@ -557,21 +572,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
     n_ok = offs_n < Sk
     d_ok = offs_d < HEAD_DIM
 
+    k, k2, offs_h, h_ok, theta = _load_own(K + b * skb + hk * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps,
+                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
+                                           ROPE_INTERLEAVED, True)
+    qp_base = QPOS
     if ROPE:
-        offs_h = tl.arange(0, BLOCK_H)
-        h_ok = offs_h < HALF
-        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
-        k, k2 = _load_rotated(K + b * skb + hk * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps, theta, offs_h,
-                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False, True)
         qp_base = QPOS + b * sqpb
-    else:
-        k = _load_2d(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :] * skd, n_ok, d_ok, True,
-                     CHECK_D)
-        k2 = k  # unused placeholders
-        offs_h = offs_d
-        h_ok = d_ok
-        theta = score_mul
-        qp_base = QPOS
     v = _load_2d(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True, CHECK_D)
     ks = 0
     if HAS_SEGMENTS:
@@ -697,21 +703,12 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
 
+    q, q2, offs_h, h_ok, theta = _load_own(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
+                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
+                                           ROPE_INTERLEAVED)
+    kp_base = KPOS
     if ROPE:
-        offs_h = tl.arange(0, BLOCK_H)
-        h_ok = offs_h < HALF
-        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
-        q, q2 = _load_rotated(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, theta, offs_h,
-                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
         kp_base = KPOS + b * skpb
-    else:
-        q = _load_2d(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True,
-                     CHECK_D)
-        q2 = q  # unused placeholders
-        offs_h = offs_d
-        h_ok = d_ok
-        theta = score_mul
-        kp_base = KPOS
     do = _load_2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
                   CHECK_D)
     row = (b * Hq + h) * Sq + offs_m

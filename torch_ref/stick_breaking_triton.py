@@ -46,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_triton import INTERPRETED, _device_ctx, _load_2d, _load_rotated, _precision, _rope_args, _store_unrotated
+from .flash_triton import (INTERPRETED, _device_ctx, _load_2d, _load_own, _load_rotated, _precision, _rope_args,
+                           _store_unrotated)
 
 __all__ = ["StickBreakingConfig", "default_config", "forward", "backward", "INTERPRETED"]
 
@@ -206,20 +207,11 @@ def _sb_fwd_kernel(Q, K, V, O, REM, DECAY, THETA, QPOS, KPOS,
     m_ok = rows < S
     d_ok = offs_d < HEAD_DIM
 
+    q, q2, offs_h, h_ok, theta = _load_own(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, THETA,
+                                           offs_d, d_ok, scale, HEAD_DIM, BLOCK_H, CHECK_D, ROPE, ROPE_INTERLEAVED)
+    kp_base = KPOS
     if ROPE:
-        offs_h = tl.arange(0, BLOCK_H)
-        h_ok = offs_h < HALF
-        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
-        q, q2 = _load_rotated(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, theta, offs_h,
-                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
         kp_base = KPOS + b * skpb
-    else:
-        q = _load_2d(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True, CHECK_D)
-        q2 = q  # unused placeholders
-        offs_h = offs_d
-        h_ok = d_ok
-        theta = scale
-        kp_base = KPOS
     lam = 0.0
     if HAS_DECAY:
         lam = tl.load(DECAY + h)
@@ -353,21 +345,13 @@ def _sb_bwd_dq_kernel(Q, K, V, DO, P0, DQ, DDEC, CB, PB, DECAY, THETA, QPOS, KPO
     m_ok = rows < S
     d_ok = offs_d < HEAD_DIM
 
+    q, q2, offs_h, h_ok, theta = _load_own(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, THETA,
+                                           offs_d, d_ok, scale, HEAD_DIM, BLOCK_H, CHECK_D, ROPE, ROPE_INTERLEAVED)
     if ROPE:
-        offs_h = tl.arange(0, BLOCK_H)
-        h_ok = offs_h < HALF
-        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
-        q, q2 = _load_rotated(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, theta, offs_h,
-                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
         kp_base = KPOS + b * skpb
         dq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     else:
-        q = _load_2d(Q + b * sqb + h * sqh + rows[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, True, CHECK_D)
-        q2 = q  # unused placeholders
-        offs_h = offs_d
-        h_ok = d_ok
-        theta = scale
         kp_base = KPOS
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         dq2 = dq  # unused placeholder
@@ -507,21 +491,13 @@ def _sb_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, CB, PB, DECAY, THETA, QPOS, KPOS,
     n_ok = cols < S
     d_ok = offs_d < HEAD_DIM
 
+    k, k2, offs_h, h_ok, theta = _load_own(K + b * skb + hk * skh, cols, n_ok, sks, skd, KPOS + b * skpb, skps, THETA,
+                                           offs_d, d_ok, scale, HEAD_DIM, BLOCK_H, CHECK_D, ROPE, ROPE_INTERLEAVED)
     if ROPE:
-        offs_h = tl.arange(0, BLOCK_H)
-        h_ok = offs_h < HALF
-        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
-        k, k2 = _load_rotated(K + b * skb + hk * skh, cols, n_ok, sks, skd, KPOS + b * skpb, skps, theta, offs_h,
-                              h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, False)
         qp_base = QPOS + b * sqpb
         dk = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
         dk2 = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
     else:
-        k = _load_2d(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :] * skd, n_ok, d_ok, True, CHECK_D)
-        k2 = k  # unused placeholders
-        offs_h = offs_d
-        h_ok = d_ok
-        theta = scale
         qp_base = QPOS
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dk2 = dk  # unused placeholder
