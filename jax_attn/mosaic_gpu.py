@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.device import device_info
 from jax_attn.rope import Rope, inverse_frequencies
-from jax_attn.spec import LOG2E, AttentionSpec, pow2_at_least, visible
+from jax_attn.spec import LOG2E, AttentionSpec, padded_head_dim, visible
 
 HEAD_DIMS = (64, 128)  # padded head dims served (a 128-byte swizzle row holds 64 16-bit values)
 WGMMA_ROWS = 64  # rows of one warpgroup's wgmma
@@ -103,12 +103,6 @@ def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype, positions: boo
         return (f"the Mosaic GPU kernels need a Hopper (sm90) GPU, this is {info.platform} "
                 f"{info.name} (sm{info.compute_capability})")
     return None
-
-
-def padded_head_dim(spec: AttentionSpec, head_dim: int) -> int:
-    """The engine's head-dim padding (both engines): a power of two; with RoPE twice one, so that
-    the pairs' first and second columns each fill a power of two (style "half" pads them apart)."""
-    return pow2_at_least(head_dim) if spec.rope is None else 2 * pow2_at_least(head_dim // 2)
 
 
 class _Ring:
@@ -224,7 +218,7 @@ def _walk(step, carry, blocks):
 _LOAD_NEEDS_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
 
 
-def _load_rows(ref, layout):
+def _load_gmem(ref, layout):
     """An fp32 array from gmem into registers: a [rows] vector in the layout of a wgmma tile's rows
     or columns, or a [64, cols] tile in the WGMMA layout."""
     index = ((),) if _LOAD_NEEDS_INDEX else ()
@@ -343,7 +337,7 @@ class _Rotary:
     def _delta(self, cols):
         if self.delta_smem is not None:
             return self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
-        return tuple(_load_rows(self.delta_ref.at[i, :, cols], plgpu.Layout.WGMMA) for i in range(2))
+        return tuple(_load_gmem(self.delta_ref.at[i, :, cols], plgpu.Layout.WGMMA) for i in range(2))
 
     def pieces(self, columns, block, inverse: bool):
         """R x (R^T x if inverse) at positions 64 block + r, r < 64, for x [64, D] given by
@@ -355,7 +349,7 @@ class _Rotary:
         firsts, seconds = [], []  # style "half": the pieces of the pairs' first and second columns
         for j in range(count):
             cols = pl.ds(j * ROPE_PIECE, ROPE_PIECE)
-            c0, s0 = (lax.broadcast_in_dim(_load_rows(self.base_ref.at[i, block, cols], col), shape, [1])
+            c0, s0 = (lax.broadcast_in_dim(_load_gmem(self.base_ref.at[i, block, cols], col), shape, [1])
                       for i in range(2))
             dc, ds = self._delta(cols)
             cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
@@ -562,7 +556,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[2 * wg])
         plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_tile, own_ready.at[2 * wg + 1])
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        m2, delta = (_load_rows(x.at[batch, head, rows], row_layout) for x in (m2_ref, delta_ref))
+        m2, delta = (_load_gmem(x.at[batch, head, rows], row_layout) for x in (m2_ref, delta_ref))
         plgpu.barrier_wait(own_ready.at[2 * wg])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
 
@@ -640,7 +634,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
             head, qrows = kv_head * group + g, pl.ds(i * bq, bq)
             q_tile = ring.wait(t, 0)
             st = _matmul((bkv, bq), k_tile, q_tile.transpose((1, 0)))
-            m2, delta = (_load_rows(x.at[batch, head, qrows], col_layout) for x in (m2_ref, delta_ref))
+            m2, delta = (_load_gmem(x.at[batch, head, qrows], col_layout) for x in (m2_ref, delta_ref))
             do_tile = ring.wait(t, 1)
             dpt = _matmul((bkv, bq), v_tile, do_tile.transpose((1, 0)))
             if masked:

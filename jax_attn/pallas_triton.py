@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_attn import mosaic_gpu
 from jax_attn.rope import inverse_frequencies
-from jax_attn.spec import LOG2E, AttentionSpec, block_ranges, pow2_at_least, visible
+from jax_attn.spec import LOG2E, AttentionSpec, block_ranges, padded_head_dim, pow2_at_least, visible
 
 MIN_BLOCK = 16  # smallest tile side a Triton dot accepts
 
@@ -629,7 +629,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
         interpret = jax.default_backend() == "cpu"
     batch, q_len, _, head_dim = q.shape
     kv_len = k.shape[1]
-    head_pad = mosaic_gpu.padded_head_dim(spec, head_dim)
+    head_pad = padded_head_dim(spec, head_dim)
     if blocks is None:
         blocks = default_block_sizes(head_pad, interpret, q.dtype, rope=spec.rope is not None,
                                      rope_positions=q_pos is not None)

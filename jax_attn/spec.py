@@ -26,6 +26,12 @@ def pow2_at_least(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def padded_head_dim(spec: "AttentionSpec", head_dim: int) -> int:
+    """The head dim every engine pads to: a power of two; with RoPE twice one, so that the pairs'
+    first and second columns each fill a power of two (style "half" pads them apart)."""
+    return pow2_at_least(head_dim) if spec.rope is None else 2 * pow2_at_least(head_dim // 2)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """Static part of an attention call.

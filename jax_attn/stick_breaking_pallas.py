@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax_attn.pallas_triton import (
     MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
     _side_specs_and_args, _store_parts, _unpack, rope_tables)
-from jax_attn.spec import LOG2E, AttentionSpec, pow2_at_least
+from jax_attn.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,7 +452,7 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     batch, seq_len, _, head_dim = q.shape
-    head_pad = pow2_at_least(head_dim) if spec.rope is None else 2 * pow2_at_least(head_dim // 2)
+    head_pad = padded_head_dim(spec, head_dim)
     if blocks is None:
         blocks = default_stick_breaking_blocks(head_pad, interpret, q.dtype)
     blocks = blocks.fitted(seq_len)
