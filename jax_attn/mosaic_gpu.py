@@ -137,11 +137,14 @@ class _Ring:
 
     def produce(self, sources, steps, max_steps: int, prepare=None):
         """The producer warpgroup's loop; sources(t) -> the step's gmem blocks, one per array;
-        steps (traced) <= max_steps (static). prepare(t, slot) (with `landed`) transforms array
-        0's block of step t in shared memory, then commits it."""
+        steps (traced) <= max_steps (static). `prepare` (with `landed`; `_SharedKeys`) copies
+        array 0's blocks itself (`prepare.copy`) and transforms each in shared memory once it
+        landed (`prepare(t, slot)`), before the compute warpgroups see it."""
         def copy(t, i, src):
-            arrived = self.landed if prepare is not None and i == 0 else self.ready[i]
-            plgpu.copy_gmem_to_smem(src, self.slots[i].at[self.slot(t)], arrived.at[self.slot(t)])
+            if prepare is not None and i == 0:
+                prepare.copy(t, self.slots[0].at[self.slot(t)], self.landed.at[self.slot(t)])
+            else:
+                plgpu.copy_gmem_to_smem(src, self.slots[i].at[self.slot(t)], self.ready[i].at[self.slot(t)])
 
         def refill(t):
             for i, src in enumerate(sources(t)):
@@ -152,6 +155,8 @@ class _Ring:
             for i, src in enumerate(sources(t)):
                 copy(t, i, src)
 
+        if prepare is not None:
+            prepare.start(steps, min(self.stages, max_steps))
         for t in range(min(self.stages, max_steps)):
             pl.when(t < steps)(functools.partial(fill, t))
 
@@ -161,13 +166,17 @@ class _Ring:
 
         @pl.loop(0, steps)
         def _(t):
+            slot = self.slots[0].at[self.slot(t)]
             plgpu.barrier_wait(self.landed.at[self.slot(t)])
-            prepare(t, self.slots[0].at[self.slot(t)])
+            prepare(t, slot)
             plgpu.barrier_arrive(self.ready[0].at[self.slot(t)])
+            prepare.publish(t, slot, steps)
             # refill the slot step t - 1 used: the compute warpgroups work on step t - 1 while
             # this warpgroup loads and prepares step t
             later = t - 1 + self.stages
             pl.when((t >= 1) & (later < steps))(lambda: refill(later))
+
+        prepare.finish(steps)
 
 
 def _ring_scratch(stages: int, rows: int, head_dim: int, dtype, count: int = 2, prepared: bool = False):
@@ -380,6 +389,92 @@ class _Rotary:
         plgpu.commit_smem()
 
 
+FLAG_WORDS = 32  # a block's published flag: one 128-byte record (TMA copies 16-byte multiples)
+
+
+class _SharedKeys:
+    """The RoPE forward's key blocks, rotated once and shared between CTAs through gmem.
+
+    Every query CTA streams the key blocks it sees; rotating each one itself made the forward's
+    producer the bottleneck (1.4-1.5x the time without RoPE). Here the producer reads a block's
+    flag before it loads the block: if another CTA published it, it loads the rotated copy
+    (`k_rot`); if not, it loads the raw block, rotates it (`_Rotary.tile`), stores it to k_rot
+    and, once that store completed, sets the flag. Several CTAs may rotate and publish one block
+    at once: they write identical bytes, so a reader that sees the flag reads the right data,
+    and no CTA ever waits for another (the launch order cannot deadlock). Flags start at zero
+    per call (a fresh Ref). A flag is read one step ahead of its block's load (a stale 0 only
+    costs a redundant rotation) and kept until the block's flag is published (`slots`)."""
+
+    def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, flag_smem, flag_ready, batch, kv_head,
+                 bkv: int, lo, stages: int):
+        self.rotary, self.k, self.k_rot, self.flags = rotary, k_ref, k_rot_ref, flags_ref
+        self.flag_smem, self.flag_ready = flag_smem, flag_ready
+        self.batch, self.kv_head, self.bkv, self.lo, self.stages = batch, kv_head, bkv, lo, stages
+
+    @staticmethod
+    def slots(stages: int) -> int:
+        """A flag is read at step t - stages and last used at step t + 1 (its publication)."""
+        return stages + 2
+
+    @classmethod
+    def scratch(cls, stages: int):
+        """(flag records, a row of ones to publish from (128 words: the smallest warpgroup
+        store)), the flags' barriers."""
+        return ((plgpu.SMEM((cls.slots(stages), FLAG_WORDS), jnp.int32), plgpu.SMEM((128,), jnp.int32)),
+                plgpu.Barrier(num_barriers=cls.slots(stages)))
+
+    def _slot(self, t):
+        return lax.rem(t, self.slots(self.stages))
+
+    def _keys(self, t):
+        return self.batch, pl.ds((self.lo + t) * self.bkv, self.bkv), self.kv_head
+
+    def _flag(self, t):
+        return self.flags.at[self.batch, self.kv_head, self.lo + t]
+
+    def _request(self, t):
+        plgpu.copy_gmem_to_smem(self._flag(t), self.flag_smem[0].at[self._slot(t)], self.flag_ready.at[self._slot(t)])
+
+    def _local(self, t):
+        """Step t's block was unpublished when this CTA loaded it: it rotates and publishes it."""
+        return self.flag_smem[0][self._slot(t), 0] == 0
+
+    def start(self, steps, first: int):
+        """Before the ring's first `first` fills: their flags, and the row to publish from."""
+        self.flag_smem[1][...] = jnp.full((128,), 1, jnp.int32)
+        plgpu.commit_smem()
+        for t in range(first):
+            pl.when(t < steps)(functools.partial(self._request, t))
+
+    def copy(self, t, dst, barrier):
+        plgpu.barrier_wait(self.flag_ready.at[self._slot(t)])
+        local = self._local(t)
+        pl.when(local)(lambda: plgpu.copy_gmem_to_smem(self.k.at[self._keys(t)], dst, barrier))
+        pl.when(~local)(lambda: plgpu.copy_gmem_to_smem(self.k_rot.at[self._keys(t)], dst, barrier))
+
+    def __call__(self, t, slot):
+        pl.when(t == 0)(lambda: plgpu.barrier_wait(self.rotary.ready))  # the delta table
+        pl.when(self._local(t))(lambda: self.rotary.tile(slot, (self.lo + t) * (self.bkv // ROPE_ROWS)))
+
+    def publish(self, t, slot, steps):
+        """After step t's block is ready: publish step t - 1's (its store has had a step to
+        complete), store step t's, and read the flag of the block loaded next step."""
+        plgpu.wait_smem_to_gmem(0)  # also lets the ring refill step t - 1's slot
+        previous = jnp.maximum(t - 1, 0)
+        pl.when((t >= 1) & self._local(previous))(
+            lambda: plgpu.copy_smem_to_gmem(self.flag_smem[1].at[pl.ds(0, FLAG_WORDS)], self._flag(previous)))
+        pl.when(self._local(t))(lambda: plgpu.copy_smem_to_gmem(slot, self.k_rot.at[self._keys(t)]))
+        ahead = t + self.stages
+        pl.when(ahead < steps)(lambda: self._request(ahead))
+
+    def finish(self, steps):
+        plgpu.wait_smem_to_gmem(0)
+        last = jnp.maximum(steps - 1, 0)
+        pl.when((steps >= 1) & self._local(last))(
+            lambda: plgpu.copy_smem_to_gmem(self.flag_smem[1].at[pl.ds(0, FLAG_WORDS)], self._flag(last)))
+        plgpu.wait_smem_to_gmem(0)
+
+
 def _matmul(shape, a, b):
     """a @ b on wgmma into a fresh fp32 accumulator of `shape`."""
     def run(acc_ref):
@@ -417,19 +512,15 @@ def _register_split(producer: int) -> tuple[int, int]:
     return producer, (3 * 168 - producer) // 2 // 8 * 8
 
 
-def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, rotary):
+def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, shared=None):
     """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi);
-    with `rotary` (RoPE), each K block is rotated in shared memory before the compute warpgroups
-    read it, the delta table's copy awaited before the first."""
-    plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if rotary else 40)[0], action="decrease")
+    with `shared` (RoPE; a function of lo -> `_SharedKeys`), the K blocks come rotated, the delta
+    table's copy awaited before the first this CTA rotates."""
+    plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[0], action="decrease")
     prepare = None
-    if rotary is not None:
-        rotary.fetch()
-
-        def prepare(t, slot):
-            pl.when(t == 0)(lambda: plgpu.barrier_wait(rotary.ready))
-            rotary.tile(slot, (lo + t) * (bkv // ROPE_ROWS))
-
+    if shared is not None:
+        prepare = shared(lo=lo)
+        prepare.rotary.fetch()
     keys = lambda u: (batch, pl.ds((lo + u) * bkv, bkv), kv_head)
     ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv, prepare)
 
@@ -444,13 +535,13 @@ def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
 
 
 def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
-                 spec: AttentionSpec, kv_len: int, group: int, rotary=None):
+                 spec: AttentionSpec, kv_len: int, group: int, shared=None):
     """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
     compute warpgroup) and the producer streaming the key blocks they see. Runs
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
     first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
-    the last key block holds padding when kv_len is ragged. `rotary` (RoPE): the producer
-    rotates the streamed keys."""
+    the last key block holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys
+    come rotated (`_SharedKeys`, built from batch, kv head, first block)."""
     ring = _Ring(*ring[:3], stages, *ring[3:])
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = _query_pair(q_ref, bq, spec)
@@ -462,13 +553,15 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
 
     @pl.when(wg < 2)
     def _compute():
-        plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if rotary else 40)[1], action="increase")
+        plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[1], action="increase")
         first = pair_first + wg * bq
         own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         compute(batch, head, wg, first, own_blocks, stream, ring)
 
     kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, rotary))
+    if shared is not None:
+        shared = functools.partial(shared, batch=batch, kv_head=kv_head, bkv=bkv, stages=stages)
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared))
 
 
 def _split_tables(refs, spec: AttentionSpec):
@@ -479,11 +572,18 @@ def _split_tables(refs, spec: AttentionSpec):
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: AttentionSpec,
                     kv_len: int, group: int):
-    """Outputs o, lse2 and, given a third output (RoPE, differentiated), q rotated."""
+    """Outputs o, lse2 and, with RoPE, k rotated (`_SharedKeys`: after the tables, its flags come
+    as an input Ref) and, given a fourth output (differentiated), q rotated."""
     *refs, own, ring = refs
-    tables, (o_ref, lse_ref, *q_rot_ref) = _split_tables(tuple(refs), spec)
-    (q_smem, *delta_smem), own_ready = own
-    rotary = _Rotary(spec.rope.style, *tables, delta_smem[0], own_ready.at[2]) if tables else None
+    tables, outputs = _split_tables(tuple(refs), spec)
+    rotary = shared = None
+    if tables:
+        flags_ref, o_ref, lse_ref, k_rot_ref, *q_rot_ref = outputs
+        (q_smem, delta_smem, flag_smem), (own_ready, flag_ready) = own
+        rotary = _Rotary(spec.rope.style, *tables, delta_smem, own_ready.at[2])
+        shared = functools.partial(_SharedKeys, rotary, k_ref, k_rot_ref, flags_ref, flag_smem, flag_ready)
+    else:
+        (o_ref, lse_ref), ((q_smem,), own_ready), q_rot_ref = outputs, own, ()
     bq, bkv = blocks.block_q, blocks.block_kv
     scale2 = spec.scale * LOG2E
 
@@ -534,7 +634,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
         _store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
-                 kv_len=kv_len, group=group, rotary=rotary)
+                 kv_len=kv_len, group=group, shared=shared)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
@@ -677,13 +777,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
 
 def _launch(kernel, args, out_type, grid, grid_names, own, ring):
     """One CTA: two compute warpgroups and one producer; scratch = own blocks (smem, barriers)
-    and the ring (`_ring_scratch`), shared by the three warpgroups."""
+    and the ring (`_ring_scratch`), shared by the three warpgroups. A Ref in args (the RoPE
+    forward's flags) is read and written in place."""
     def entry(*refs):
         pl.run_scoped(lambda own_smem, own_ready, *ring_refs: kernel(*refs, (own_smem, own_ready), ring_refs),
                       *own, *ring, collective_axes="wg")
 
-    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=3,
-                        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))(*args)
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
+    return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True),
+                     name=kernel.func.__name__.strip("_"))(*args)
 
 
 def _check_rope_blocks(blocks: MosaicBlocks):
@@ -702,16 +804,21 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
     batch, q_pad, num_heads, head_dim = q.shape
     kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
     own_smem = (_smem((2, blocks.block_q, head_dim), q.dtype),)
+    own_ready = plgpu.Barrier(num_barriers=3)
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
-    tables = ()
+    args = (q, k, v)
     if spec.rope is not None:
         _check_rope_blocks(blocks)
-        tables, own_smem = tuple(rope), own_smem + (_Rotary.scratch(head_dim),)
-        out_type += (jax.ShapeDtypeStruct(q.shape, q.dtype),) * rotated_q
+        flags = jax.new_ref(jnp.zeros((batch, k.shape[2], k.shape[1] // blocks.block_kv, FLAG_WORDS), jnp.int32))
+        args += (*rope, flags)
+        flag_smem, flag_ready = _SharedKeys.scratch(blocks.stages)
+        own_smem, own_ready = own_smem + (_Rotary.scratch(head_dim), flag_smem), (own_ready, flag_ready)
+        out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype),) + (jax.ShapeDtypeStruct(q.shape, q.dtype),) * rotated_q
     grid = (num_heads, q_pad // blocks.q_tile, batch)
-    return _launch(kernel, (q, k, v, *tables), out_type, grid, ("heads", "q_tiles", "batch"),
-                   (own_smem, plgpu.Barrier(num_barriers=3)),
-                   _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype, prepared=bool(tables)))
+    out, lse, *rotated = _launch(kernel, args, out_type, grid, ("heads", "q_tiles", "batch"), (own_smem, own_ready),
+                                 _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype,
+                                               prepared=spec.rope is not None))
+    return (out, lse, *rotated[1:])  # k rotated is the producers' exchange, not an output
 
 
 def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None):
