@@ -348,17 +348,18 @@ class _Rotary:
             return self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
         return tuple(_load_gmem(self.delta_ref.at[i, :, cols], plgpu.Layout.WGMMA) for i in range(2))
 
-    def pieces(self, columns, block, inverse: bool):
+    def pieces(self, columns, block, inverse: bool, base=None):
         """R x (R^T x if inverse) at positions 64 block + r, r < 64, for x [64, D] given by
         columns(start, width) -> x[:, start:start + width] fp32 (WGMMA layout): -> the rotated
-        column pieces, in order."""
+        column pieces, in order. `base`: the block's base rows [2, D/2] (default: from gmem)."""
+        base_row = (lambda i, cols: self.base_ref.at[i, block, cols]) if base is None else (lambda i, cols: base.at[i, cols])
         count = self.delta_ref.shape[-1] // ROPE_PIECE
         col = plgpu.Layout.WGMMA.reduce(0)
         shape = (ROPE_ROWS, ROPE_PIECE)
         firsts, seconds = [], []  # style "half": the pieces of the pairs' first and second columns
         for j in range(count):
             cols = pl.ds(j * ROPE_PIECE, ROPE_PIECE)
-            c0, s0 = (lax.broadcast_in_dim(_load_gmem(self.base_ref.at[i, block, cols], col), shape, [1])
+            c0, s0 = (lax.broadcast_in_dim(_load_gmem(base_row(i, cols), col), shape, [1])
                       for i in range(2))
             dc, ds = self._delta(cols)
             cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
@@ -377,14 +378,15 @@ class _Rotary:
         """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout) at positions 64 block + r."""
         return _join_columns(self.pieces(lambda start, width: x[:, start:start + width], block, inverse))
 
-    def tile(self, tile, first_block):
+    def tile(self, tile, first_block, base=None):
         """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time; then commit it for
-        the async proxy (wgmma, TMA)."""
+        the async proxy (wgmma, TMA). `base`: the blocks' base rows [2, rows / 64, D/2] (default:
+        from gmem)."""
         for c in range(tile.shape[0] // ROPE_ROWS):
             part = tile.at[pl.ds(c * ROPE_ROWS, ROPE_ROWS)]
             x = part[...]
             out = self.pieces(lambda start, width: x[:, start:start + width].astype(jnp.float32),
-                              first_block + c, inverse=False)
+                              first_block + c, inverse=False, base=None if base is None else base.at[:, c])
             part[...] = _join_columns([o.astype(tile.dtype) for o in out])
         plgpu.commit_smem()
 
@@ -405,10 +407,10 @@ class _SharedKeys:
     per call (a fresh Ref). A flag is read one step ahead of its block's load (a stale 0 only
     costs a redundant rotation) and kept until the block's flag is published (`slots`)."""
 
-    def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, flag_smem, flag_ready, batch, kv_head,
+    def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, smem, barriers, batch, kv_head,
                  bkv: int, lo, stages: int):
         self.rotary, self.k, self.k_rot, self.flags = rotary, k_ref, k_rot_ref, flags_ref
-        self.flag_smem, self.flag_ready = flag_smem, flag_ready
+        (self.flag_rows, self.ones, self.base), (self.flag_ready, self.base_ready) = smem, barriers
         self.batch, self.kv_head, self.bkv, self.lo, self.stages = batch, kv_head, bkv, lo, stages
 
     @staticmethod
@@ -417,11 +419,12 @@ class _SharedKeys:
         return stages + 2
 
     @classmethod
-    def scratch(cls, stages: int):
+    def scratch(cls, stages: int, bkv: int, head_dim: int):
         """(flag records, a row of ones to publish from (128 words: the smallest warpgroup
-        store)), the flags' barriers."""
-        return ((plgpu.SMEM((cls.slots(stages), FLAG_WORDS), jnp.int32), plgpu.SMEM((128,), jnp.int32)),
-                plgpu.Barrier(num_barriers=cls.slots(stages)))
+        store), per ring slot the base rows of a block this CTA rotates), their barriers."""
+        return ((plgpu.SMEM((cls.slots(stages), FLAG_WORDS), jnp.int32), plgpu.SMEM((128,), jnp.int32),
+                 plgpu.SMEM((stages, 2, bkv // ROPE_ROWS, head_dim // 2), jnp.float32)),
+                (plgpu.Barrier(num_barriers=cls.slots(stages)), plgpu.Barrier(num_barriers=stages)))
 
     def _slot(self, t):
         return lax.rem(t, self.slots(self.stages))
@@ -433,28 +436,44 @@ class _SharedKeys:
         return self.flags.at[self.batch, self.kv_head, self.lo + t]
 
     def _request(self, t):
-        plgpu.copy_gmem_to_smem(self._flag(t), self.flag_smem[0].at[self._slot(t)], self.flag_ready.at[self._slot(t)])
+        plgpu.copy_gmem_to_smem(self._flag(t), self.flag_rows.at[self._slot(t)], self.flag_ready.at[self._slot(t)])
 
     def _local(self, t):
         """Step t's block was unpublished when this CTA loaded it: it rotates and publishes it."""
-        return self.flag_smem[0][self._slot(t), 0] == 0
+        return self.flag_rows[self._slot(t), 0] == 0
 
     def start(self, steps, first: int):
         """Before the ring's first `first` fills: their flags, and the row to publish from."""
-        self.flag_smem[1][...] = jnp.full((128,), 1, jnp.int32)
+        self.ones[...] = jnp.full((128,), 1, jnp.int32)
         plgpu.commit_smem()
         for t in range(first):
             pl.when(t < steps)(functools.partial(self._request, t))
 
+    def _first_block(self, t):  # of the 64-row blocks step t's key block holds
+        return (self.lo + t) * (self.bkv // ROPE_ROWS)
+
     def copy(self, t, dst, barrier):
+        """Step t's key block, rotated (published) or raw with its base rows (to rotate)."""
         plgpu.barrier_wait(self.flag_ready.at[self._slot(t)])
-        local = self._local(t)
-        pl.when(local)(lambda: plgpu.copy_gmem_to_smem(self.k.at[self._keys(t)], dst, barrier))
-        pl.when(~local)(lambda: plgpu.copy_gmem_to_smem(self.k_rot.at[self._keys(t)], dst, barrier))
+        ring_slot = lax.rem(t, self.stages)
+
+        @pl.when(self._local(t))
+        def _():
+            plgpu.copy_gmem_to_smem(self.k.at[self._keys(t)], dst, barrier)
+            rows = pl.ds(self._first_block(t), self.bkv // ROPE_ROWS)
+            plgpu.copy_gmem_to_smem(self.rotary.base_ref.at[:, rows], self.base.at[ring_slot],
+                                    self.base_ready.at[ring_slot])
+
+        pl.when(~self._local(t))(lambda: plgpu.copy_gmem_to_smem(self.k_rot.at[self._keys(t)], dst, barrier))
 
     def __call__(self, t, slot):
         pl.when(t == 0)(lambda: plgpu.barrier_wait(self.rotary.ready))  # the delta table
-        pl.when(self._local(t))(lambda: self.rotary.tile(slot, (self.lo + t) * (self.bkv // ROPE_ROWS)))
+        ring_slot = lax.rem(t, self.stages)
+
+        @pl.when(self._local(t))
+        def _():
+            plgpu.barrier_wait(self.base_ready.at[ring_slot])
+            self.rotary.tile(slot, self._first_block(t), base=self.base.at[ring_slot])
 
     def publish(self, t, slot, steps):
         """After step t's block is ready: publish step t - 1's (its store has had a step to
@@ -462,7 +481,7 @@ class _SharedKeys:
         plgpu.wait_smem_to_gmem(0)  # also lets the ring refill step t - 1's slot
         previous = jnp.maximum(t - 1, 0)
         pl.when((t >= 1) & self._local(previous))(
-            lambda: plgpu.copy_smem_to_gmem(self.flag_smem[1].at[pl.ds(0, FLAG_WORDS)], self._flag(previous)))
+            lambda: plgpu.copy_smem_to_gmem(self.ones.at[pl.ds(0, FLAG_WORDS)], self._flag(previous)))
         pl.when(self._local(t))(lambda: plgpu.copy_smem_to_gmem(slot, self.k_rot.at[self._keys(t)]))
         ahead = t + self.stages
         pl.when(ahead < steps)(lambda: self._request(ahead))
@@ -471,7 +490,7 @@ class _SharedKeys:
         plgpu.wait_smem_to_gmem(0)
         last = jnp.maximum(steps - 1, 0)
         pl.when((steps >= 1) & self._local(last))(
-            lambda: plgpu.copy_smem_to_gmem(self.flag_smem[1].at[pl.ds(0, FLAG_WORDS)], self._flag(last)))
+            lambda: plgpu.copy_smem_to_gmem(self.ones.at[pl.ds(0, FLAG_WORDS)], self._flag(last)))
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -579,9 +598,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
     rotary = shared = None
     if tables:
         flags_ref, o_ref, lse_ref, k_rot_ref, *q_rot_ref = outputs
-        (q_smem, delta_smem, flag_smem), (own_ready, flag_ready) = own
+        (q_smem, delta_smem, shared_smem), (own_ready, shared_barriers) = own
         rotary = _Rotary(spec.rope.style, *tables, delta_smem, own_ready.at[2])
-        shared = functools.partial(_SharedKeys, rotary, k_ref, k_rot_ref, flags_ref, flag_smem, flag_ready)
+        shared = functools.partial(_SharedKeys, rotary, k_ref, k_rot_ref, flags_ref, shared_smem, shared_barriers)
     else:
         (o_ref, lse_ref), ((q_smem,), own_ready), q_rot_ref = outputs, own, ()
     bq, bkv = blocks.block_q, blocks.block_kv
@@ -778,14 +797,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
 def _launch(kernel, args, out_type, grid, grid_names, own, ring):
     """One CTA: two compute warpgroups and one producer; scratch = own blocks (smem, barriers)
     and the ring (`_ring_scratch`), shared by the three warpgroups. A Ref in args (the RoPE
-    forward's flags) is read and written in place."""
+    forward's flags) is read and written in place: `plgpu.kernel` (whose batching rule folds a
+    vmapped axis into the grid) does not take Refs, `pl.kernel` does (and cannot be vmapped)."""
     def entry(*refs):
         pl.run_scoped(lambda own_smem, own_ready, *ring_refs: kernel(*refs, (own_smem, own_ready), ring_refs),
                       *own, *ring, collective_axes="wg")
 
-    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
-    return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=plgpu.CompilerParams(approx_math=True),
-                     name=kernel.func.__name__.strip("_"))(*args)
+    params = plgpu.CompilerParams(approx_math=True)
+    if any(isinstance(a, jax.Ref) for a in args):
+        mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
+        return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=params, name="entry")(*args)
+    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=3,
+                        thread_name="wg", compiler_params=params)(*args)
 
 
 def _check_rope_blocks(blocks: MosaicBlocks):
@@ -795,12 +818,36 @@ def _check_rope_blocks(blocks: MosaicBlocks):
                          f"{ROPE_ROWS} and block_kv a multiple of it, got {blocks}")
 
 
+# The forward's grid; Pallas launches its last axis fastest. Heads outermost: a head's query tiles
+# run together and share its K, V in L2. With RoPE, query tiles outermost: a kv head's CTAs then
+# run a few at a time (every wave holds every head), so the rotated key blocks they publish
+# (`_SharedKeys`) are there for the later waves instead of being rotated by all of them at once.
+FORWARD_GRID = ("heads", "q_tiles", "batch")
+ROPE_FORWARD_GRID = ("q_tiles", "heads", "batch")
+
+
 def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None,
                   rotated_q: bool = False):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], padded to `blocks.tiles`, D in HEAD_DIMS; keys >=
     kv_len are padding (masked). With spec.rope, `rope` = `rope_tables(...)` covering both lengths.
     -> (out [B, Sq, Hq, D], lse2 [B, Hq, Sq] float32, base 2, of the scaled scores
     [, q rotated, if rotated_q: what the backward reads])."""
+    launch = functools.partial(_forward_launch, spec=spec, kv_len=kv_len, blocks=blocks, rotated_q=rotated_q)
+    if spec.rope is None:
+        return launch(q, k, v)
+    _check_rope_blocks(blocks)
+    try:
+        return launch(q, k, v, *rope)
+    except NotImplementedError as e:  # pl.kernel, which takes the flags Ref, has no batching rule
+        if "batch" not in str(e):
+            raise
+        raise NotImplementedError(
+            "fused RoPE on the Mosaic GPU kernels cannot be vmapped (its forward shares rotated keys "
+            "between CTAs through a flags Ref); fold the vmapped axis into the batch axis, or pass "
+            "implementation='pallas_triton'") from e
+
+
+def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rotated_q: bool):
     batch, q_pad, num_heads, head_dim = q.shape
     kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
     own_smem = (_smem((2, blocks.block_q, head_dim), q.dtype),)
@@ -808,14 +855,14 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
     args = (q, k, v)
     if spec.rope is not None:
-        _check_rope_blocks(blocks)
         flags = jax.new_ref(jnp.zeros((batch, k.shape[2], k.shape[1] // blocks.block_kv, FLAG_WORDS), jnp.int32))
         args += (*rope, flags)
-        flag_smem, flag_ready = _SharedKeys.scratch(blocks.stages)
-        own_smem, own_ready = own_smem + (_Rotary.scratch(head_dim), flag_smem), (own_ready, flag_ready)
+        shared_smem, shared_barriers = _SharedKeys.scratch(blocks.stages, blocks.block_kv, head_dim)
+        own_smem, own_ready = own_smem + (_Rotary.scratch(head_dim), shared_smem), (own_ready, shared_barriers)
         out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype),) + (jax.ShapeDtypeStruct(q.shape, q.dtype),) * rotated_q
-    grid = (num_heads, q_pad // blocks.q_tile, batch)
-    out, lse, *rotated = _launch(kernel, args, out_type, grid, ("heads", "q_tiles", "batch"), (own_smem, own_ready),
+    sizes = dict(heads=num_heads, q_tiles=q_pad // blocks.q_tile, batch=batch)
+    names = FORWARD_GRID if spec.rope is None else ROPE_FORWARD_GRID
+    out, lse, *rotated = _launch(kernel, args, out_type, tuple(sizes[n] for n in names), names, (own_smem, own_ready),
                                  _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype,
                                                prepared=spec.rope is not None))
     return (out, lse, *rotated[1:])  # k rotated is the producers' exchange, not an output

@@ -48,6 +48,22 @@ def test_rope_kernels_lower_for_cuda(style, head_dim, group):
         mosaic_gpu.flash_forward(q, kv, kv, spec, 200, mosaic_gpu.MosaicBlocks(block_q=128), tables)
 
 
+def test_vmap_folds_into_the_grid_and_refuses_rope_clearly():
+    """plgpu.kernel's batching rule folds a vmapped axis into the grid; the RoPE forward (a flags
+    Ref, `pl.kernel`) cannot be vmapped and says so."""
+    blocks = mosaic_gpu.default_mosaic_blocks(128)
+    q = jax.ShapeDtypeStruct((3, 1, 256, 2, 128), jnp.bfloat16)
+    for rope in (None, Rope(style="half")):
+        spec = AttentionSpec(scale=0.1, causal=True, rope=rope)
+        tables = mosaic_gpu.rope_tables(rope, 128, 128, 256) if rope else None
+        f = jax.jit(jax.vmap(lambda q, k, v: mosaic_gpu.flash_forward(q, k, v, spec, 256, blocks, tables)))
+        if rope is None:
+            assert "mosaic_gpu" in f.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+        else:
+            with pytest.raises(NotImplementedError, match="cannot be vmapped"):
+                f.trace(q, q, q)
+
+
 @pytest.mark.parametrize("style, head_dim, head_pad", [("interleaved", 128, 128), ("half", 64, 64),
                                                        ("half", 40, 64), ("interleaved", 96, 128)])
 def test_rope_tables_rotate_as_the_reference(style, head_dim, head_pad):
@@ -185,9 +201,11 @@ GPU_CASES = [
     ((1, 300, 700, 4, 2, 64), jnp.bfloat16, dict(causal=True)),  # keys past the last row: dK = dV = 0
     ((2, 1500, 1500, 8, 2, 128), jnp.bfloat16, dict(causal=True, window=(256, 0))),  # sliding window
     ((1, 1000, 1200, 4, 4, 64), jnp.float16, dict(window=(100, 37))),
-    # RoPE at positions arange: the producer rotates the streamed keys (forward), dK/dV rotates its
-    # key block once and writes it for dQ; dQ, dK rotated back
+    # RoPE at positions arange: the forward's CTAs rotate the streamed key blocks and share them
+    # through gmem (`_SharedKeys`), dK/dV rotates its key block once and writes it for dQ; dQ, dK
+    # rotated back
     ((2, 1024, 1024, 8, 2, 128), jnp.bfloat16, dict(causal=True, rope=Rope())),
+    ((1, 4096, 4096, 8, 2, 128), jnp.bfloat16, dict(causal=True, rope=Rope())),  # 2 waves: later CTAs load shared keys
     ((1, 1000, 1000, 4, 4, 128), jnp.bfloat16, dict(causal=True, rope=Rope(style="half"))),
     ((1, 777, 1111, 4, 1, 96), jnp.float16, dict(rope=Rope(style="half"))),  # halves padded apart
     ((1, 600, 600, 4, 2, 64), jnp.float16, dict(causal=True, window=(200, 0), rope=Rope(base=500.0))),
@@ -202,12 +220,19 @@ def test_gpu_against_golden(shape, dtype, kw):
 
 
 @pytest.mark.gpu
-def test_gpu_deterministic_and_close_to_triton():
+@pytest.mark.parametrize("rope", [None, Rope(style="half")])
+def test_gpu_deterministic_and_close_to_triton(rope):
+    """Bitwise repeatable; with RoPE, whichever CTA rotated a shared key block (2 waves of CTAs).
+    Close to the Triton engine without RoPE (with it, the engines round differently rotated keys
+    to bf16: the golden cases check both)."""
     rng = np.random.default_rng(3)
     q, k, v, do = _inputs(rng, 2, 2048, 2048, 8, 2, 128)
-    runs = [_run(q, k, v, do, jnp.bfloat16, "mosaic_gpu", causal=True) for _ in range(2)]
-    for a, b in zip(*runs):
-        assert np.array_equal(a, b)
+    runs = [_run(q, k, v, do, jnp.bfloat16, "mosaic_gpu", causal=True, rope=rope) for _ in range(3)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert np.array_equal(a, b)
+    if rope is not None:
+        return
     triton = _run(q, k, v, do, jnp.bfloat16, "pallas_triton", causal=True)
     np.testing.assert_allclose(runs[0][1], triton[1], atol=1e-4)  # lse, fp32
     assert np.abs(runs[0][0] - triton[0]).max() <= 2 ** -7  # out: a bf16 rounding apart at most
