@@ -12,12 +12,16 @@ Rows (bf16, causal, forward and forward+backward; default shape 2x8192x16x128):
   xla+ours   jax_attn.apply_rope on q, k by XLA, then jax_attn.flash_attention
   xla+cudnn  jax_attn.apply_rope by XLA, then jax.nn.dot_product_attention(implementation="cudnn")
 Targets (issue 4): fused fwd+bwd <= 1.05x the time of plain, and >= 1.05x faster than xla+ours.
+Those three are then timed again in turn (--paired-rounds), and the targets' ratios are the
+medians of the per-round ratios: drift during the run (the same call has timed 4-8 % apart in
+the table's rows) cancels in them.
 FLOPs counted as for attention alone (4*B*S*S*H*D, halved for causal, x3.5 for fwd+bwd), so
 TF/s compare directly with benchmarks/attention.py.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from benchmarks.attention import _make_fwdbwd, device_info, flops, log, ms_table_row, save_run, time_jax
 
@@ -50,13 +54,16 @@ def main(argv=None) -> int:
     parser.add_argument("--styles", default="half,interleaved")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--target-ms", type=float, default=30.0)
+    parser.add_argument("--paired-rounds", type=int, default=9,
+                        help="then time plain, fused and xla+ours in turn, this many rounds: the targets' "
+                             "ratios per round, so that drift between the rows above cancels")
     args = parser.parse_args(argv)
     B, S, H, D = (int(x) for x in args.shape.split(","))
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in keys)
     positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     name, kind, _ = device_info(False)
-    rows = []
+    rows, compiled = [], {}
     for style in args.styles.split(","):
         for mode in ("fwd", "fwdbwd"):
             for impl, f in candidates(style, True, positions).items():
@@ -66,6 +73,7 @@ def main(argv=None) -> int:
                     g = jax.jit(f) if mode == "fwd" else jax.jit(_make_fwdbwd(f))
                     call_args = (q, k, v) if mode == "fwd" else (q, k, v, do)
                     ms, _, first_s = time_jax(g, call_args, args.target_ms, args.repeats)
+                    compiled[style, mode, impl] = g, call_args
                     row.update(ms=ms, tflops=flops(B, S, H, D, True, mode) / (ms * 1e-3) / 1e12,
                                first_call_s=first_s)
                     log(f"{style:12s} {mode:7s} {impl:10s} {ms:8.3f} ms {row['tflops']:7.1f} TF/s")
@@ -81,7 +89,28 @@ def main(argv=None) -> int:
         for mode in ("fwd", "fwdbwd"):
             t = [by.get((style, mode, i)) for i in impls]
             print(ms_table_row((style, mode), t, [(t[1], t[0]), (t[2], t[1])]))
-    save_run(args.out, "rope", kind, name, rows, jax_attn_device=str(jax_attn.device_info()))
+    paired = []
+    if args.paired_rounds:
+        print(f"\nPaired ({args.paired_rounds} rounds of plain, fused, xla+ours in turn; medians):")
+        print("| style | mode | plain ms | fused ms | xla+ours ms | fused/plain | xla+ours/fused |")
+        print("|---|---|---|---|---|---|---|")
+    for style in args.styles.split(",") if args.paired_rounds else ():
+        for mode in ("fwd", "fwdbwd"):
+            turn = [i for i in ("plain", "fused", "xla+ours") if (style, mode, i) in compiled]
+            if len(turn) < 3:
+                continue
+            times = {i: [] for i in turn}
+            for _ in range(args.paired_rounds):
+                for i in turn:
+                    times[i].append(time_jax(*compiled[style, mode, i], args.target_ms, 1)[0])
+            ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))
+            entry = dict(style=style, mode=mode, ms={i: statistics.median(t) for i, t in times.items()},
+                         fused_over_plain=ratio("fused", "plain"), xla_ours_over_fused=ratio("xla+ours", "fused"),
+                         rounds=times)
+            paired.append(entry)
+            print(ms_table_row((style, mode), [entry["ms"][i] for i in turn],
+                               [(entry["fused_over_plain"], 1.0), (entry["xla_ours_over_fused"], 1.0)]))
+    save_run(args.out, "rope", kind, name, rows, jax_attn_device=str(jax_attn.device_info()), paired=paired)
     return 0
 
 

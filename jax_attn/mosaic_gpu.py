@@ -17,10 +17,11 @@ base 2 (P = exp2(s2 - lse2)), exact enough for 16-bit gradients.
 Serves softmax attention with causal and sliding-window masks (any lengths, GQA, any scale,
 16-bit, padded head dim 64 or 128): each warpgroup walks only the blocks its rows can see, the
 edge blocks masked (`_partner_blocks`); `unsupported_reason` names what it does not serve.
-RoPE at positions arange (`_Rotary`): the forward's producer rotates every streamed key block in
-shared memory before it signals it ready, the compute warpgroups their own query block; the
-backward reads q rotated (written by the forward) and k rotated (written by the dK/dV kernel,
-which rotates its own block once) and rotates dq, dk back.
+RoPE at positions arange (`_Rotary`): the compute warpgroups rotate their own query block; the
+forward's CTAs share the rotated key blocks through gmem (`_SharedKeys`): a producer loads a
+block another CTA published, or rotates it in shared memory before it signals it ready and
+publishes it. The backward reads q rotated (written by the forward) and k rotated (written by
+the dK/dV kernel, which rotates its own block once) and rotates dq, dk back.
 
 No interpreter runs these kernels on CPU (jax 0.10); the tests lower them there and run them on
 the GPU.
@@ -452,10 +453,13 @@ class _SharedKeys:
     def _first_block(self, t):  # of the 64-row blocks step t's key block holds
         return (self.lo + t) * (self.bkv // ROPE_ROWS)
 
+    def _ring_slot(self, t):  # where step t's block and its base rows land
+        return lax.rem(t, self.stages)
+
     def copy(self, t, dst, barrier):
         """Step t's key block, rotated (published) or raw with its base rows (to rotate)."""
         plgpu.barrier_wait(self.flag_ready.at[self._slot(t)])
-        ring_slot = lax.rem(t, self.stages)
+        ring_slot = self._ring_slot(t)
 
         @pl.when(self._local(t))
         def _():
@@ -468,29 +472,31 @@ class _SharedKeys:
 
     def __call__(self, t, slot):
         pl.when(t == 0)(lambda: plgpu.barrier_wait(self.rotary.ready))  # the delta table
-        ring_slot = lax.rem(t, self.stages)
+        ring_slot = self._ring_slot(t)
 
         @pl.when(self._local(t))
         def _():
             plgpu.barrier_wait(self.base_ready.at[ring_slot])
             self.rotary.tile(slot, self._first_block(t), base=self.base.at[ring_slot])
 
+    def _publish(self, t, when):
+        """Step t's flag (its block's store has completed), if `when` and step t rotated it."""
+        t = jnp.maximum(t, 0)
+        pl.when(when & self._local(t))(
+            lambda: plgpu.copy_smem_to_gmem(self.ones.at[pl.ds(0, FLAG_WORDS)], self._flag(t)))
+
     def publish(self, t, slot, steps):
         """After step t's block is ready: publish step t - 1's (its store has had a step to
         complete), store step t's, and read the flag of the block loaded next step."""
         plgpu.wait_smem_to_gmem(0)  # also lets the ring refill step t - 1's slot
-        previous = jnp.maximum(t - 1, 0)
-        pl.when((t >= 1) & self._local(previous))(
-            lambda: plgpu.copy_smem_to_gmem(self.ones.at[pl.ds(0, FLAG_WORDS)], self._flag(previous)))
+        self._publish(t - 1, t >= 1)
         pl.when(self._local(t))(lambda: plgpu.copy_smem_to_gmem(slot, self.k_rot.at[self._keys(t)]))
         ahead = t + self.stages
         pl.when(ahead < steps)(lambda: self._request(ahead))
 
     def finish(self, steps):
         plgpu.wait_smem_to_gmem(0)
-        last = jnp.maximum(steps - 1, 0)
-        pl.when((steps >= 1) & self._local(last))(
-            lambda: plgpu.copy_smem_to_gmem(self.ones.at[pl.ds(0, FLAG_WORDS)], self._flag(last)))
+        self._publish(steps - 1, steps >= 1)
         plgpu.wait_smem_to_gmem(0)
 
 
