@@ -140,7 +140,8 @@ class _Ring:
         """The producer warpgroup's loop; sources(t) -> the step's gmem blocks, one per array;
         steps (traced) <= max_steps (static). `prepare` (with `landed`; `_SharedKeys`) copies
         array 0's blocks itself (`prepare.copy`) and transforms each in shared memory once it
-        landed (`prepare(t, slot)`), before the compute warpgroups see it."""
+        landed (`prepare(t, slot)`), before the compute warpgroups see it; `start`, `publish`
+        and `finish` are its hooks before the fills, after each step's `ready` and at the end."""
         def copy(t, i, src):
             if prepare is not None and i == 0:
                 prepare.copy(t, self.slots[0].at[self.slot(t)], self.landed.at[self.slot(t)])
@@ -408,11 +409,11 @@ class _SharedKeys:
     per call (a fresh Ref). A flag is read one step ahead of its block's load (a stale 0 only
     costs a redundant rotation) and kept until the block's flag is published (`slots`)."""
 
-    def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, smem, barriers, batch, kv_head,
-                 bkv: int, lo, stages: int):
+    def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, smem, barriers, *, ring: _Ring, batch,
+                 kv_head, bkv: int, lo):
         self.rotary, self.k, self.k_rot, self.flags = rotary, k_ref, k_rot_ref, flags_ref
         (self.flag_rows, self.ones, self.base), (self.flag_ready, self.base_ready) = smem, barriers
-        self.batch, self.kv_head, self.bkv, self.lo, self.stages = batch, kv_head, bkv, lo, stages
+        self.ring, self.batch, self.kv_head, self.bkv, self.lo = ring, batch, kv_head, bkv, lo
 
     @staticmethod
     def slots(stages: int) -> int:
@@ -428,7 +429,7 @@ class _SharedKeys:
                 (plgpu.Barrier(num_barriers=cls.slots(stages)), plgpu.Barrier(num_barriers=stages)))
 
     def _slot(self, t):
-        return lax.rem(t, self.slots(self.stages))
+        return lax.rem(t, self.slots(self.ring.stages))
 
     def _keys(self, t):
         return self.batch, pl.ds((self.lo + t) * self.bkv, self.bkv), self.kv_head
@@ -453,13 +454,10 @@ class _SharedKeys:
     def _first_block(self, t):  # of the 64-row blocks step t's key block holds
         return (self.lo + t) * (self.bkv // ROPE_ROWS)
 
-    def _ring_slot(self, t):  # where step t's block and its base rows land
-        return lax.rem(t, self.stages)
-
     def copy(self, t, dst, barrier):
         """Step t's key block, rotated (published) or raw with its base rows (to rotate)."""
         plgpu.barrier_wait(self.flag_ready.at[self._slot(t)])
-        ring_slot = self._ring_slot(t)
+        ring_slot = self.ring.slot(t)  # where the block's base rows land too
 
         @pl.when(self._local(t))
         def _():
@@ -472,7 +470,7 @@ class _SharedKeys:
 
     def __call__(self, t, slot):
         pl.when(t == 0)(lambda: plgpu.barrier_wait(self.rotary.ready))  # the delta table
-        ring_slot = self._ring_slot(t)
+        ring_slot = self.ring.slot(t)
 
         @pl.when(self._local(t))
         def _():
@@ -491,7 +489,7 @@ class _SharedKeys:
         plgpu.wait_smem_to_gmem(0)  # also lets the ring refill step t - 1's slot
         self._publish(t - 1, t >= 1)
         pl.when(self._local(t))(lambda: plgpu.copy_smem_to_gmem(slot, self.k_rot.at[self._keys(t)]))
-        ahead = t + self.stages
+        ahead = t + self.ring.stages
         pl.when(ahead < steps)(lambda: self._request(ahead))
 
     def finish(self, steps):
@@ -539,12 +537,12 @@ def _register_split(producer: int) -> tuple[int, int]:
 
 def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, shared=None):
     """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi);
-    with `shared` (RoPE; a function of lo -> `_SharedKeys`), the K blocks come rotated, the delta
-    table's copy awaited before the first this CTA rotates."""
+    with `shared` (RoPE; `_SharedKeys` but for where this stream is), the K blocks come rotated,
+    the delta table's copy awaited before the first this CTA rotates."""
     plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[0], action="decrease")
     prepare = None
     if shared is not None:
-        prepare = shared(lo=lo)
+        prepare = shared(ring=ring, batch=batch, kv_head=kv_head, bkv=bkv, lo=lo)
         prepare.rotary.fetch()
     keys = lambda u: (batch, pl.ds((lo + u) * bkv, bkv), kv_head)
     ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv, prepare)
@@ -566,7 +564,7 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
     first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
     the last key block holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys
-    come rotated (`_SharedKeys`, built from batch, kv head, first block)."""
+    come rotated (`_stream_kv`)."""
     ring = _Ring(*ring[:3], stages, *ring[3:])
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = _query_pair(q_ref, bq, spec)
@@ -584,8 +582,6 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
         compute(batch, head, wg, first, own_blocks, stream, ring)
 
     kv_head = lax.div(head, jnp.array(group, head.dtype))
-    if shared is not None:
-        shared = functools.partial(shared, batch=batch, kv_head=kv_head, bkv=bkv, stages=stages)
     pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared))
 
 
