@@ -225,6 +225,49 @@ def _walk(step, carry, blocks):
     return lax.fori_loop(plain_hi, hi, functools.partial(step, masked=True), carry)
 
 
+class _Stream:
+    """The key blocks [lo, hi) a CTA's producer streams to its two compute warpgroups, one per
+    ring step u < hi - lo: block lo + u or, `staggered` (the RoPE forward), from block
+    lo + shift on, wrapping around."""
+
+    def __init__(self, lo, hi, shift=None):
+        self.lo, self.hi, self.shift = lo, hi, shift
+
+    @property
+    def steps(self):
+        return self.hi - self.lo
+
+    def staggered(self, sharer, ways: int):
+        """The first-wave CTAs that share a kv head's key blocks (`_SharedKeys`), sharer < ways, start
+        at evenly spaced blocks: each rotates its part and then finds the others' parts published,
+        where CTAs streaming in step would all rotate every block at once. Later CTAs (sharer >=
+        ways) start at lo: they find the blocks published whatever the order."""
+        shift = jnp.where(sharer < ways, sharer * self.steps // ways, 0)
+        return _Stream(self.lo, self.hi, shift)
+
+    def block(self, u):
+        if self.shift is None:
+            return self.lo + u
+        u = u + self.shift
+        return self.lo + jnp.where(u >= self.steps, u - self.steps, u)
+
+    def walk(self, step, carry, own_blocks, ring: "_Ring"):
+        """A compute warpgroup's pass over the stream: step(t, u, carry, masked) on its own blocks
+        (t the key block, u its ring step), in stream order; the other warpgroup's blocks it only
+        follows (`_Ring.follow`). own_blocks: (lo, plain_lo, plain_hi, hi) inside [lo, hi)."""
+        if self.shift is None:
+            segments = [(self.lo, self.hi, self.lo, own_blocks)]  # (first, end, first - its step)
+        else:
+            start = self.lo + self.shift
+            segments = [(a, b, base, [jnp.clip(x, a, b) for x in own_blocks])
+                        for a, b, base in ((start, self.hi, start), (self.lo, start, start - self.steps))]
+        for first, end, base, own in segments:
+            ring.follow(0 if self.shift is None else first - base, own[0] - base)
+            carry = _walk(lambda t, c, *, masked, base=base: step(t, t - base, c, masked=masked), carry, own)
+            ring.follow(own[3] - base, end - base)
+        return carry
+
+
 # jax 0.10's plgpu.load requires an index argument; 0.11 makes it optional and deprecates it
 _LOAD_NEEDS_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
 
@@ -410,10 +453,10 @@ class _SharedKeys:
     costs a redundant rotation) and kept until the block's flag is published (`slots`)."""
 
     def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, smem, barriers, *, ring: _Ring, batch,
-                 kv_head, bkv: int, lo):
+                 kv_head, bkv: int, stream: _Stream):
         self.rotary, self.k, self.k_rot, self.flags = rotary, k_ref, k_rot_ref, flags_ref
         (self.flag_rows, self.ones, self.base), (self.flag_ready, self.base_ready) = smem, barriers
-        self.ring, self.batch, self.kv_head, self.bkv, self.lo = ring, batch, kv_head, bkv, lo
+        self.ring, self.batch, self.kv_head, self.bkv, self.stream = ring, batch, kv_head, bkv, stream
 
     @staticmethod
     def slots(stages: int) -> int:
@@ -432,10 +475,10 @@ class _SharedKeys:
         return lax.rem(t, self.slots(self.ring.stages))
 
     def _keys(self, t):
-        return self.batch, pl.ds((self.lo + t) * self.bkv, self.bkv), self.kv_head
+        return self.batch, pl.ds(self.stream.block(t) * self.bkv, self.bkv), self.kv_head
 
     def _flag(self, t):
-        return self.flags.at[self.batch, self.kv_head, self.lo + t]
+        return self.flags.at[self.batch, self.kv_head, self.stream.block(t)]
 
     def _request(self, t):
         plgpu.copy_gmem_to_smem(self._flag(t), self.flag_rows.at[self._slot(t)], self.flag_ready.at[self._slot(t)])
@@ -452,7 +495,7 @@ class _SharedKeys:
             pl.when(t < steps)(functools.partial(self._request, t))
 
     def _first_block(self, t):  # of the 64-row blocks step t's key block holds
-        return (self.lo + t) * (self.bkv // ROPE_ROWS)
+        return self.stream.block(t) * (self.bkv // ROPE_ROWS)
 
     def copy(self, t, dst, barrier):
         """Step t's key block, rotated (published) or raw with its base rows (to rotate)."""
@@ -535,17 +578,17 @@ def _register_split(producer: int) -> tuple[int, int]:
     return producer, (3 * 168 - producer) // 2 // 8 * 8
 
 
-def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, shared=None):
-    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi);
+def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, stream: _Stream, shared=None):
+    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks of `stream`;
     with `shared` (RoPE; `_SharedKeys` but for where this stream is), the K blocks come rotated,
     the delta table's copy awaited before the first this CTA rotates."""
     plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[0], action="decrease")
     prepare = None
     if shared is not None:
-        prepare = shared(ring=ring, batch=batch, kv_head=kv_head, bkv=bkv, lo=lo)
+        prepare = shared(ring=ring, batch=batch, kv_head=kv_head, bkv=bkv, stream=stream)
         prepare.rotary.fetch()
-    keys = lambda u: (batch, pl.ds((lo + u) * bkv, bkv), kv_head)
-    ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv, prepare)
+    keys = lambda u: (batch, pl.ds(stream.block(u) * bkv, bkv), kv_head)
+    ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), stream.steps, k_ref.shape[1] // bkv, prepare)
 
 
 def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
@@ -558,13 +601,13 @@ def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
 
 
 def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
-                 spec: AttentionSpec, kv_len: int, group: int, shared=None):
+                 spec: AttentionSpec, kv_len: int, group: int, shared=None, sharers: int = 1):
     """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
     compute warpgroup) and the producer streaming the key blocks they see. Runs
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
-    first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
-    the last key block holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys
-    come rotated (`_stream_kv`)."""
+    first row, its (lo, plain_lo, plain_hi, hi) and the pair's `_Stream`; the last key block
+    holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys come rotated
+    (`_stream_kv`), the streams staggered between the `sharers` first-wave CTAs of a kv head."""
     ring = _Ring(*ring[:3], stages, *ring[3:])
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = _query_pair(q_ref, bq, spec)
@@ -572,7 +615,9 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
     num_kv = k_ref.shape[1] // bkv
     ranges = [_partner_blocks(pair_first + w * bq, bq, bkv, num_kv, before, after, kv_len % bkv != 0)
               for w in range(2)]
-    stream = (ranges[0][0], ranges[1][3])
+    stream = _Stream(ranges[0][0], ranges[1][3])
+    if shared is not None:  # launch order: the grid's last axes fastest (ROPE_FORWARD_GRID)
+        stream = stream.staggered(lax.axis_index("q_tiles") * group + head % group, sharers)
 
     @pl.when(wg < 2)
     def _compute():
@@ -582,7 +627,7 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
         compute(batch, head, wg, first, own_blocks, stream, ring)
 
     kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, stream, shared))
 
 
 def _split_tables(refs, spec: AttentionSpec):
@@ -592,7 +637,7 @@ def _split_tables(refs, spec: AttentionSpec):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: AttentionSpec,
-                    kv_len: int, group: int):
+                    kv_len: int, group: int, sharers: int):
     """Outputs o, lse2 and, with RoPE, k rotated (`_SharedKeys`: after the tables, its flags come
     as an input Ref) and, given a fourth output (differentiated), q rotated."""
     *refs, own, ring = refs
@@ -609,7 +654,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
     scale2 = spec.scale * LOG2E
 
     def compute(batch, head, wg, first, own_blocks, stream, ring):
-        stream_lo, stream_hi = stream
         q_tile, rows = q_smem.at[wg], pl.ds(first, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
         plgpu.barrier_wait(own_ready.at[wg])
@@ -619,9 +663,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
             if q_rot_ref:  # the backward reads q rotated
                 plgpu.copy_smem_to_gmem(q_tile, q_rot_ref[0].at[batch, rows, head])
 
-        def step(t, carry, masked: bool):
+        def step(t, u, carry, masked: bool):
             m, l, acc = carry
-            u = t - stream_lo  # the ring's step
             s = _matmul((bq, bkv), q_tile, ring.wait(u, 0).transpose((1, 0)))
             ring.release(u, 0)
             if masked:
@@ -642,9 +685,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
         carry = (_zeros((bq,), rows_layout, -jnp.inf), _zeros((bq,), rows_layout),
                  _zeros((bq, q_ref.shape[3])))
-        ring.follow(0, own_blocks[0] - stream_lo)  # blocks only the other warpgroup sees
-        m, l, acc = _walk(step, carry, own_blocks)
-        ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
+        m, l, acc = stream.walk(step, carry, own_blocks, ring)
 
         empty = l == 0.0  # no visible key: output 0, lse -inf (never NaN)
         l_safe = jnp.where(empty, 1.0, l)
@@ -655,7 +696,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
         _store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
-                 kv_len=kv_len, group=group, shared=shared)
+                 kv_len=kv_len, group=group, shared=shared, sharers=sharers)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
@@ -671,7 +712,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
     scale2 = spec.scale * LOG2E
 
     def compute(batch, head, wg, first, own_blocks, stream, ring):
-        stream_lo, stream_hi = stream
         rows = pl.ds(first, bq)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[2 * wg])
@@ -681,8 +721,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         plgpu.barrier_wait(own_ready.at[2 * wg])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
 
-        def step(t, dq, masked: bool):
-            u = t - stream_lo  # the ring's step
+        def step(t, u, dq, masked: bool):
             k_tile = ring.wait(u, 0)
             s = _matmul((bq, bkv), q_tile, k_tile.transpose((1, 0)))
             dp = _matmul((bq, bkv), do_tile, ring.wait(u, 1).transpose((1, 0)))
@@ -696,9 +735,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
             ring.release(u, 0)
             return dq
 
-        ring.follow(0, own_blocks[0] - stream_lo)
-        dq = _walk(step, _zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
-        ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
+        dq = stream.walk(step, _zeros((bq, q_ref.shape[3])), own_blocks, ring) * spec.scale
         if rotary is not None:
             dq = rotary(dq, first // ROPE_ROWS, inverse=True)
         _store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
@@ -712,10 +749,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
     """dV = P^T dO, dK = scale * dS^T Q, summed over the kv head's query heads: two key blocks per
     CTA (one per compute warpgroup) stream the (query head, query block) pairs, computing the
     transposed tiles S^T = K Q^T directly. Padded query rows have dO = 0 and delta = 0: they add 0.
-    With RoPE q comes rotated; each warpgroup rotates its key block once, writes it out for the dQ
-    kernel (third output) and rotates dK back."""
+    With RoPE q and k come rotated (the forward's) and dK is rotated back."""
     *refs, own, ring = refs
-    tables, (dk_ref, dv_ref, *k_rot_ref) = _split_tables(tuple(refs), spec)
+    tables, (dk_ref, dv_ref) = _split_tables(tuple(refs), spec)
     (k_smem, v_smem), own_ready = own
     rotary = _Rotary(spec.rope.style, *tables) if tables else None
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
@@ -743,9 +779,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, own_ready.at[2 * wg])
         plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile, own_ready.at[2 * wg + 1])
         plgpu.barrier_wait(own_ready.at[2 * wg])
-        if rotary is not None:
-            rotary.tile(k_tile, first // ROPE_ROWS)
-            plgpu.copy_smem_to_gmem(k_tile, k_rot_ref[0].at[batch, keys, kv_head])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -828,13 +861,22 @@ FORWARD_GRID = ("heads", "q_tiles", "batch")
 ROPE_FORWARD_GRID = ("q_tiles", "heads", "batch")
 
 
+def _first_wave_sharers(kv_heads: int) -> int:
+    """How many query CTAs of each of the `kv_heads` (batch x kv head) the RoPE forward's first wave
+    runs at once: one CTA per SM, and ROPE_FORWARD_GRID launches every head of a query tile
+    before the next tile. (No SM count, as when lowering on a CPU: 1, streams not staggered.)"""
+    sms = device_info().sm_count
+    return max(1, -(-sms // kv_heads)) if sms else 1
+
+
 def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None,
-                  rotated_q: bool = False):
+                  rotated: bool = False):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], padded to `blocks.tiles`, D in HEAD_DIMS; keys >=
     kv_len are padding (masked). With spec.rope, `rope` = `rope_tables(...)` covering both lengths.
     -> (out [B, Sq, Hq, D], lse2 [B, Hq, Sq] float32, base 2, of the scaled scores
-    [, q rotated, if rotated_q: what the backward reads])."""
-    launch = functools.partial(_forward_launch, spec=spec, kv_len=kv_len, blocks=blocks, rotated_q=rotated_q)
+    [, q rotated, k rotated, if `rotated`: what the backward reads]). Key blocks no query sees
+    are never rotated: k rotated holds garbage there, which the backward never reads."""
+    launch = functools.partial(_forward_launch, spec=spec, kv_len=kv_len, blocks=blocks, rotated=rotated)
     if spec.rope is None:
         return launch(q, k, v)
     _check_rope_blocks(blocks)
@@ -849,9 +891,10 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
             "implementation='pallas_triton'") from e
 
 
-def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rotated_q: bool):
+def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rotated: bool):
     batch, q_pad, num_heads, head_dim = q.shape
-    kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
+    kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2],
+                               sharers=_first_wave_sharers(batch * k.shape[2]))
     own_smem = (_smem((2, blocks.block_q, head_dim), q.dtype),)
     own_ready = plgpu.Barrier(num_barriers=3)
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
@@ -861,20 +904,21 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
         args += (*rope, flags)
         shared_smem, shared_barriers = _SharedKeys.scratch(blocks.stages, blocks.block_kv, head_dim)
         own_smem, own_ready = own_smem + (_Rotary.scratch(head_dim), shared_smem), (own_ready, shared_barriers)
-        out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype),) + (jax.ShapeDtypeStruct(q.shape, q.dtype),) * rotated_q
+        out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype),) + (jax.ShapeDtypeStruct(q.shape, q.dtype),) * rotated
     sizes = dict(heads=num_heads, q_tiles=q_pad // blocks.q_tile, batch=batch)
     names = FORWARD_GRID if spec.rope is None else ROPE_FORWARD_GRID
-    out, lse, *rotated = _launch(kernel, args, out_type, tuple(sizes[n] for n in names), names, (own_smem, own_ready),
+    out, lse, *k_q_rot = _launch(kernel, args, out_type, tuple(sizes[n] for n in names), names, (own_smem, own_ready),
                                  _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype,
                                                prepared=spec.rope is not None))
-    return (out, lse, *rotated[1:])  # k rotated is the producers' exchange, not an output
+    # k rotated is the producers' exchange; the backward reads it too
+    return (out, lse, *k_q_rot[::-1]) if rotated else (out, lse)
 
 
 def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None):
     """The gradients from the forward's statistics: P = exp2(s2 - m2) (m2 = lse2; +inf on empty
     rows), delta = rowsum(dO * O) - dlse [B, Hq, Sq] fp32. Arrays padded as for `flash_forward`
-    (with zeros); with spec.rope, q is the forward's rotated q and `rope` its tables. -> (dq, dk,
-    dv) in the input dtype, dk/dv per kv head."""
+    (with zeros); with spec.rope, q and k are the forward's rotated q and k and `rope` its tables.
+    -> (dq, dk, dv) in the input dtype, dk/dv per kv head."""
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
@@ -884,11 +928,11 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
         _check_rope_blocks(blocks)
         tables = tuple(rope)
     own = lambda rows, dtype: ((_smem((2, rows, head_dim), dtype),) * 2, plgpu.Barrier(num_barriers=4))
-    dkdv_out = (jax.ShapeDtypeStruct(k.shape, k.dtype),) * (3 if tables else 2)  # dk, dv[, k rotated]
-    dk, dv, *k_rot = _launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
-                             dkdv_out, (num_kv_heads, kv_pad // (2 * bkv), batch), ("heads", "k_tiles", "batch"),
-                             own(bkv, k.dtype), _ring_scratch(blocks.stages_bwd, bq, head_dim, q.dtype))
-    dq = _launch(functools.partial(_dq_kernel, **options), (q, *(k_rot or [k]), v, do, m2, delta, *tables),
+    dk, dv = _launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
+                     (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (num_kv_heads, kv_pad // (2 * bkv), batch),
+                     ("heads", "k_tiles", "batch"), own(bkv, k.dtype),
+                     _ring_scratch(blocks.stages_bwd, bq, head_dim, q.dtype))
+    dq = _launch(functools.partial(_dq_kernel, **options), (q, k, v, do, m2, delta, *tables),
                  jax.ShapeDtypeStruct(q.shape, q.dtype), (num_heads, q_pad // (2 * bq), batch),
                  ("heads", "q_tiles", "batch"), own(bq, q.dtype),
                  _ring_scratch(blocks.stages_bwd, bkv, head_dim, k.dtype))
