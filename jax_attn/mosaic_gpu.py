@@ -225,49 +225,6 @@ def _walk(step, carry, blocks):
     return lax.fori_loop(plain_hi, hi, functools.partial(step, masked=True), carry)
 
 
-class _Stream:
-    """The key blocks [lo, hi) a CTA's producer streams to its two compute warpgroups, one per
-    ring step u < hi - lo: block lo + u or, `staggered` (the RoPE forward), from block
-    lo + shift on, wrapping around."""
-
-    def __init__(self, lo, hi, shift=None):
-        self.lo, self.hi, self.shift = lo, hi, shift
-
-    @property
-    def steps(self):
-        return self.hi - self.lo
-
-    def staggered(self, sharer, ways: int):
-        """The first-wave CTAs that share a kv head's key blocks (`_SharedKeys`), sharer < ways, start
-        at evenly spaced blocks: each rotates its part and then finds the others' parts published,
-        where CTAs streaming in step would all rotate every block at once. Later CTAs (sharer >=
-        ways) start at lo: they find the blocks published whatever the order."""
-        shift = jnp.where(sharer < ways, sharer * self.steps // ways, 0)
-        return _Stream(self.lo, self.hi, shift)
-
-    def block(self, u):
-        if self.shift is None:
-            return self.lo + u
-        u = u + self.shift
-        return self.lo + jnp.where(u >= self.steps, u - self.steps, u)
-
-    def walk(self, step, carry, own_blocks, ring: "_Ring"):
-        """A compute warpgroup's pass over the stream: step(t, u, carry, masked) on its own blocks
-        (t the key block, u its ring step), in stream order; the other warpgroup's blocks it only
-        follows (`_Ring.follow`). own_blocks: (lo, plain_lo, plain_hi, hi) inside [lo, hi)."""
-        if self.shift is None:
-            segments = [(self.lo, self.hi, self.lo, own_blocks)]  # (first, end, first - its step)
-        else:
-            start = self.lo + self.shift
-            segments = [(a, b, base, [jnp.clip(x, a, b) for x in own_blocks])
-                        for a, b, base in ((start, self.hi, start), (self.lo, start, start - self.steps))]
-        for first, end, base, own in segments:
-            ring.follow(0 if self.shift is None else first - base, own[0] - base)
-            carry = _walk(lambda t, c, *, masked, base=base: step(t, t - base, c, masked=masked), carry, own)
-            ring.follow(own[3] - base, end - base)
-        return carry
-
-
 # jax 0.10's plgpu.load requires an index argument; 0.11 makes it optional and deprecates it
 _LOAD_NEEDS_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
 
@@ -453,10 +410,10 @@ class _SharedKeys:
     costs a redundant rotation) and kept until the block's flag is published (`slots`)."""
 
     def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, smem, barriers, *, ring: _Ring, batch,
-                 kv_head, bkv: int, stream: _Stream):
+                 kv_head, bkv: int, lo):
         self.rotary, self.k, self.k_rot, self.flags = rotary, k_ref, k_rot_ref, flags_ref
         (self.flag_rows, self.ones, self.base), (self.flag_ready, self.base_ready) = smem, barriers
-        self.ring, self.batch, self.kv_head, self.bkv, self.stream = ring, batch, kv_head, bkv, stream
+        self.ring, self.batch, self.kv_head, self.bkv, self.lo = ring, batch, kv_head, bkv, lo
 
     @staticmethod
     def slots(stages: int) -> int:
@@ -475,10 +432,10 @@ class _SharedKeys:
         return lax.rem(t, self.slots(self.ring.stages))
 
     def _keys(self, t):
-        return self.batch, pl.ds(self.stream.block(t) * self.bkv, self.bkv), self.kv_head
+        return self.batch, pl.ds((self.lo + t) * self.bkv, self.bkv), self.kv_head
 
     def _flag(self, t):
-        return self.flags.at[self.batch, self.kv_head, self.stream.block(t)]
+        return self.flags.at[self.batch, self.kv_head, self.lo + t]
 
     def _request(self, t):
         plgpu.copy_gmem_to_smem(self._flag(t), self.flag_rows.at[self._slot(t)], self.flag_ready.at[self._slot(t)])
@@ -495,7 +452,7 @@ class _SharedKeys:
             pl.when(t < steps)(functools.partial(self._request, t))
 
     def _first_block(self, t):  # of the 64-row blocks step t's key block holds
-        return self.stream.block(t) * (self.bkv // ROPE_ROWS)
+        return (self.lo + t) * (self.bkv // ROPE_ROWS)
 
     def copy(self, t, dst, barrier):
         """Step t's key block, rotated (published) or raw with its base rows (to rotate)."""
@@ -578,17 +535,17 @@ def _register_split(producer: int) -> tuple[int, int]:
     return producer, (3 * 168 - producer) // 2 // 8 * 8
 
 
-def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, stream: _Stream, shared=None):
-    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks of `stream`;
+def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, shared=None):
+    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi);
     with `shared` (RoPE; `_SharedKeys` but for where this stream is), the K blocks come rotated,
     the delta table's copy awaited before the first this CTA rotates."""
     plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[0], action="decrease")
     prepare = None
     if shared is not None:
-        prepare = shared(ring=ring, batch=batch, kv_head=kv_head, bkv=bkv, stream=stream)
+        prepare = shared(ring=ring, batch=batch, kv_head=kv_head, bkv=bkv, lo=lo)
         prepare.rotary.fetch()
-    keys = lambda u: (batch, pl.ds(stream.block(u) * bkv, bkv), kv_head)
-    ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), stream.steps, k_ref.shape[1] // bkv, prepare)
+    keys = lambda u: (batch, pl.ds((lo + u) * bkv, bkv), kv_head)
+    ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv, prepare)
 
 
 def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
@@ -601,13 +558,13 @@ def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
 
 
 def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
-                 spec: AttentionSpec, kv_len: int, group: int, shared=None, sharers: int = 1):
+                 spec: AttentionSpec, kv_len: int, group: int, shared=None):
     """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
     compute warpgroup) and the producer streaming the key blocks they see. Runs
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
-    first row, its (lo, plain_lo, plain_hi, hi) and the pair's `_Stream`; the last key block
-    holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys come rotated
-    (`_stream_kv`), the streams staggered between the `sharers` first-wave CTAs of a kv head."""
+    first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
+    the last key block holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys
+    come rotated (`_stream_kv`)."""
     ring = _Ring(*ring[:3], stages, *ring[3:])
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = _query_pair(q_ref, bq, spec)
@@ -615,9 +572,7 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
     num_kv = k_ref.shape[1] // bkv
     ranges = [_partner_blocks(pair_first + w * bq, bq, bkv, num_kv, before, after, kv_len % bkv != 0)
               for w in range(2)]
-    stream = _Stream(ranges[0][0], ranges[1][3])
-    if shared is not None:  # launch order: the grid's last axes fastest (ROPE_FORWARD_GRID)
-        stream = stream.staggered(lax.axis_index("q_tiles") * group + head % group, sharers)
+    stream = (ranges[0][0], ranges[1][3])
 
     @pl.when(wg < 2)
     def _compute():
@@ -627,7 +582,7 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
         compute(batch, head, wg, first, own_blocks, stream, ring)
 
     kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, stream, shared))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared))
 
 
 def _split_tables(refs, spec: AttentionSpec):
@@ -637,7 +592,7 @@ def _split_tables(refs, spec: AttentionSpec):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: AttentionSpec,
-                    kv_len: int, group: int, sharers: int):
+                    kv_len: int, group: int):
     """Outputs o, lse2 and, with RoPE, k rotated (`_SharedKeys`: after the tables, its flags come
     as an input Ref) and, given a fourth output (differentiated), q rotated."""
     *refs, own, ring = refs
@@ -654,6 +609,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
     scale2 = spec.scale * LOG2E
 
     def compute(batch, head, wg, first, own_blocks, stream, ring):
+        stream_lo, stream_hi = stream
         q_tile, rows = q_smem.at[wg], pl.ds(first, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
         plgpu.barrier_wait(own_ready.at[wg])
@@ -663,8 +619,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
             if q_rot_ref:  # the backward reads q rotated
                 plgpu.copy_smem_to_gmem(q_tile, q_rot_ref[0].at[batch, rows, head])
 
-        def step(t, u, carry, masked: bool):
+        def step(t, carry, masked: bool):
             m, l, acc = carry
+            u = t - stream_lo  # the ring's step
             s = _matmul((bq, bkv), q_tile, ring.wait(u, 0).transpose((1, 0)))
             ring.release(u, 0)
             if masked:
@@ -685,7 +642,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
         carry = (_zeros((bq,), rows_layout, -jnp.inf), _zeros((bq,), rows_layout),
                  _zeros((bq, q_ref.shape[3])))
-        m, l, acc = stream.walk(step, carry, own_blocks, ring)
+        ring.follow(0, own_blocks[0] - stream_lo)  # blocks only the other warpgroup sees
+        m, l, acc = _walk(step, carry, own_blocks)
+        ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
 
         empty = l == 0.0  # no visible key: output 0, lse -inf (never NaN)
         l_safe = jnp.where(empty, 1.0, l)
@@ -696,7 +655,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
         _store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
-                 kv_len=kv_len, group=group, shared=shared, sharers=sharers)
+                 kv_len=kv_len, group=group, shared=shared)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
@@ -712,6 +671,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
     scale2 = spec.scale * LOG2E
 
     def compute(batch, head, wg, first, own_blocks, stream, ring):
+        stream_lo, stream_hi = stream
         rows = pl.ds(first, bq)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[2 * wg])
@@ -721,7 +681,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         plgpu.barrier_wait(own_ready.at[2 * wg])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
 
-        def step(t, u, dq, masked: bool):
+        def step(t, dq, masked: bool):
+            u = t - stream_lo  # the ring's step
             k_tile = ring.wait(u, 0)
             s = _matmul((bq, bkv), q_tile, k_tile.transpose((1, 0)))
             dp = _matmul((bq, bkv), do_tile, ring.wait(u, 1).transpose((1, 0)))
@@ -735,7 +696,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
             ring.release(u, 0)
             return dq
 
-        dq = stream.walk(step, _zeros((bq, q_ref.shape[3])), own_blocks, ring) * spec.scale
+        ring.follow(0, own_blocks[0] - stream_lo)
+        dq = _walk(step, _zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
+        ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
         if rotary is not None:
             dq = rotary(dq, first // ROPE_ROWS, inverse=True)
         _store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
@@ -861,14 +824,6 @@ FORWARD_GRID = ("heads", "q_tiles", "batch")
 ROPE_FORWARD_GRID = ("q_tiles", "heads", "batch")
 
 
-def _first_wave_sharers(kv_heads: int) -> int:
-    """How many query CTAs of each of the `kv_heads` (batch x kv head) the RoPE forward's first wave
-    runs at once: one CTA per SM, and ROPE_FORWARD_GRID launches every head of a query tile
-    before the next tile. (No SM count, as when lowering on a CPU: 1, streams not staggered.)"""
-    sms = device_info().sm_count
-    return max(1, -(-sms // kv_heads)) if sms else 1
-
-
 def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None,
                   rotated: bool = False):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], padded to `blocks.tiles`, D in HEAD_DIMS; keys >=
@@ -893,8 +848,7 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
 
 def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rotated: bool):
     batch, q_pad, num_heads, head_dim = q.shape
-    kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2],
-                               sharers=_first_wave_sharers(batch * k.shape[2]))
+    kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
     own_smem = (_smem((2, blocks.block_q, head_dim), q.dtype),)
     own_ready = plgpu.Barrier(num_barriers=3)
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))

@@ -32,40 +32,6 @@ def test_kernel_lowers_for_cuda(causal, head_dim, seq, kv_len, group):
     assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("lo, hi, own, sharer, ways", [
-    (0, 64, (0, 0, 63, 64), 0, 4), (0, 64, (0, 0, 63, 64), 3, 4), (0, 64, (0, 0, 62, 63), 2, 4),
-    (3, 20, (3, 5, 17, 19), 1, 3), (3, 20, (4, 6, 18, 20), 2, 3), (3, 20, (4, 6, 18, 20), 5, 3),
-    (0, 1, (0, 0, 0, 1), 1, 66), (2, 2, (2, 2, 2, 2), 0, 4), (0, 7, (0, 0, 7, 7), 6, 7)])
-def test_staggered_stream_passes_every_block_once_in_ring_order(monkeypatch, lo, hi, own, sharer, ways):
-    """`_Stream.walk` (RoPE forward): a warpgroup waits for every ring step once, in order; it
-    computes exactly its own blocks, masked where the walk says, each at the ring step whose block
-    the producer streams (`_Stream.block`), and follows the others."""
-    def walk(step, carry, blocks):  # `_walk`, eagerly, in Python
-        lo_, plain_lo, plain_hi, hi_ = (int(x) for x in blocks)
-        for t in range(lo_, hi_):
-            carry = step(t, carry, masked=not plain_lo <= t < plain_hi)
-        return carry
-
-    class Ring:
-        def follow(self, a, b):
-            events.extend(("follow", u, None) for u in range(int(a), int(b)))
-
-    events = []
-    monkeypatch.setattr(mosaic_gpu, "_walk", walk)
-    stream = mosaic_gpu._Stream(lo, hi).staggered(jnp.int32(sharer), ways)
-    stream.walk(lambda t, u, c, masked: events.append(("step", int(u), (t, masked))), None, own, Ring())
-    assert [u for _, u, _ in events] == list(range(hi - lo))
-    blocks = [int(stream.block(u)) for u in range(hi - lo)]
-    assert sorted(blocks) == list(range(lo, hi))
-    if sharer < ways and hi > lo:
-        assert blocks[0] == lo + sharer * (hi - lo) // ways
-    for (kind, _, info), block in zip(events, blocks):
-        if kind == "step":
-            assert info == (block, not own[1] <= block < own[2])
-        else:
-            assert not own[0] <= block < own[3]
-
-
 @pytest.mark.parametrize("style, head_dim, group", [("interleaved", 128, 2), ("half", 64, 1)])
 def test_rope_kernels_lower_for_cuda(style, head_dim, group):
     spec = AttentionSpec(scale=head_dim ** -0.5, causal=True, rope=Rope(style=style))
@@ -236,8 +202,7 @@ GPU_CASES = [
     ((2, 1500, 1500, 8, 2, 128), jnp.bfloat16, dict(causal=True, window=(256, 0))),  # sliding window
     ((1, 1000, 1200, 4, 4, 64), jnp.float16, dict(window=(100, 37))),
     # RoPE at positions arange: the forward's CTAs rotate the streamed key blocks and share them
-    # through gmem (`_SharedKeys`; the first wave's streams staggered), the backward reads them;
-    # dQ, dK rotated back
+    # through gmem (`_SharedKeys`), which the backward reads; dQ, dK rotated back
     ((2, 1024, 1024, 8, 2, 128), jnp.bfloat16, dict(causal=True, rope=Rope())),
     ((1, 4096, 4096, 8, 2, 128), jnp.bfloat16, dict(causal=True, rope=Rope())),  # 2 waves: later CTAs load shared keys
     ((1, 1000, 1000, 4, 4, 128), jnp.bfloat16, dict(causal=True, rope=Rope(style="half"))),
