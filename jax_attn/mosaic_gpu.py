@@ -327,23 +327,37 @@ def _join_columns(parts):
 
 
 class _Rotary:
-    """The RoPE rotation of 64-row blocks in registers: the tables in gmem; for the forward, which
-    rotates every streamed key block, the delta table copied once into shared memory (`fetch`,
-    then `ready` fires). A block rotates 32 pairs at a time (bounded registers: the producer
-    warpgroup rotates with few); cos and sin are computed once per pair (angle addition) and
-    spread over its two columns by moving registers. (The backward rotates a block only once and
-    reads the delta table from gmem: 32 KB more shared memory would halve its CTAs per SM.)"""
+    """The RoPE rotation of 64-row blocks in registers: the tables in gmem, the delta table copied
+    once per CTA into shared memory (`fetch`, then `ready` fires) and, for each compute warpgroup,
+    the base rows of its own block (`prefetch`, then `own_base`): a rotation then waits on no gmem
+    load. A block rotates 32 pairs at a time (bounded registers: the producer warpgroup rotates
+    with few); cos and sin are computed once per pair (angle addition) and spread over its two
+    columns by moving registers."""
 
-    def __init__(self, style: str, base_ref, delta_ref, delta_smem=None, ready=None):
+    def __init__(self, style: str, base_ref, delta_ref, delta_smem, ready, base_smem, base_ready):
         self.style, self.base_ref, self.delta_ref, self.delta_smem, self.ready = (
             style, base_ref, delta_ref, delta_smem, ready)
+        self.base_smem, self.base_ready = base_smem, base_ready
 
     @staticmethod
     def scratch(head_dim: int):
-        return _smem((2, ROPE_ROWS, head_dim // 2), jnp.float32)
+        """(delta table, the two compute warpgroups' base rows), their barriers (`ready` is the
+        caller's)."""
+        return ((_smem((2, ROPE_ROWS, head_dim // 2), jnp.float32), plgpu.SMEM((2, 2, 1, head_dim // 2), jnp.float32)),
+                plgpu.Barrier(num_barriers=2))
 
     def fetch(self):
         plgpu.copy_gmem_to_smem(self.delta_ref, self.delta_smem, self.ready)
+
+    def prefetch(self, wg, block):
+        """Warpgroup wg's base rows, of 64-row block `block`, by TMA."""
+        plgpu.copy_gmem_to_smem(self.base_ref.at[:, pl.ds(block, 1)], self.base_smem.at[wg], self.base_ready.at[wg])
+
+    def own_base(self, wg):
+        """What `prefetch` copied, once it landed (with the delta table): `base` for a 64-row tile."""
+        plgpu.barrier_wait(self.ready)
+        plgpu.barrier_wait(self.base_ready.at[wg])
+        return self.base_smem.at[wg]
 
     def _delta(self, cols):
         if self.delta_smem is not None:
@@ -376,9 +390,11 @@ class _Rotary:
                 firsts.append(x * _interleave(cos, cos) + _swap_pairs(x) * _interleave(-sin, sin))
         return firsts + seconds
 
-    def __call__(self, x, block, inverse: bool = False):
-        """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout) at positions 64 block + r."""
-        return _join_columns(self.pieces(lambda start, width: x[:, start:start + width], block, inverse))
+    def __call__(self, x, block, inverse: bool = False, base=None):
+        """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout) at positions 64 block + r;
+        `base` [2, 1, D/2] as for `tile`."""
+        return _join_columns(self.pieces(lambda start, width: x[:, start:start + width], block, inverse,
+                                         base=None if base is None else base.at[:, 0]))
 
     def tile(self, tile, first_block, base=None):
         """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time; then commit it for
@@ -600,8 +616,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
     rotary = shared = None
     if tables:
         flags_ref, o_ref, lse_ref, k_rot_ref, *q_rot_ref = outputs
-        (q_smem, delta_smem, shared_smem), (own_ready, shared_barriers) = own
-        rotary = _Rotary(spec.rope.style, *tables, delta_smem, own_ready.at[2])
+        (q_smem, (delta_smem, base_smem), shared_smem), (own_ready, base_ready, shared_barriers) = own
+        rotary = _Rotary(spec.rope.style, *tables, delta_smem, own_ready.at[2], base_smem, base_ready)
         shared = functools.partial(_SharedKeys, rotary, k_ref, k_rot_ref, flags_ref, shared_smem, shared_barriers)
     else:
         (o_ref, lse_ref), ((q_smem,), own_ready), q_rot_ref = outputs, own, ()
@@ -612,10 +628,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
         stream_lo, stream_hi = stream
         q_tile, rows = q_smem.at[wg], pl.ds(first, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
+        if rotary is not None:
+            rotary.prefetch(wg, first // ROPE_ROWS)
         plgpu.barrier_wait(own_ready.at[wg])
         if rotary is not None:
-            plgpu.barrier_wait(rotary.ready)
-            rotary.tile(q_tile, first // ROPE_ROWS)
+            rotary.tile(q_tile, first // ROPE_ROWS, base=rotary.own_base(wg))
             if q_rot_ref:  # the backward reads q rotated
                 plgpu.copy_smem_to_gmem(q_tile, q_rot_ref[0].at[batch, rows, head])
 
@@ -658,6 +675,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
                  kv_len=kv_len, group=group, shared=shared)
 
 
+def _backward_own(own, tables, spec: AttentionSpec):
+    """A backward kernel's own scratch -> (its two tiles, their barriers, the rotary or None)."""
+    if not tables:
+        return (*own, None)
+    (*tiles, (delta_smem, base_smem)), (ready, delta_ready, base_ready) = own
+    return tiles, ready, _Rotary(spec.rope.style, *tables, delta_smem, delta_ready.at[0], base_smem, base_ready)
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
                spec: AttentionSpec, group: int, kv_len: int):
     """dQ = scale * dS K with dS = P (dO V^T - delta), P = exp2(s2 - m2); two query blocks per CTA
@@ -665,8 +690,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
     RoPE q and k come rotated (the forward's q, the dK/dV kernel's k) and dQ is rotated back."""
     *refs, own, ring = refs
     tables, (dq_ref,) = _split_tables(tuple(refs), spec)
-    (q_smem, do_smem), own_ready = own
-    rotary = _Rotary(spec.rope.style, *tables) if tables else None
+    (q_smem, do_smem), own_ready, rotary = _backward_own(own, tables, spec)
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     scale2 = spec.scale * LOG2E
 
@@ -676,6 +700,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[2 * wg])
         plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_tile, own_ready.at[2 * wg + 1])
+        if rotary is not None:  # the tables the final rotation reads
+            pl.when(wg == 0)(rotary.fetch)
+            rotary.prefetch(wg, first // ROPE_ROWS)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         m2, delta = (_load_gmem(x.at[batch, head, rows], row_layout) for x in (m2_ref, delta_ref))
         plgpu.barrier_wait(own_ready.at[2 * wg])
@@ -700,7 +727,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         dq = _walk(step, _zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
         if rotary is not None:
-            dq = rotary(dq, first // ROPE_ROWS, inverse=True)
+            dq = rotary(dq, first // ROPE_ROWS, inverse=True, base=rotary.own_base(wg))
         _store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages_bwd, spec=spec,
@@ -715,8 +742,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
     With RoPE q and k come rotated (the forward's) and dK is rotated back."""
     *refs, own, ring = refs
     tables, (dk_ref, dv_ref) = _split_tables(tuple(refs), spec)
-    (k_smem, v_smem), own_ready = own
-    rotary = _Rotary(spec.rope.style, *tables) if tables else None
+    (k_smem, v_smem), own_ready, rotary = _backward_own(own, tables, spec)
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     scale2 = spec.scale * LOG2E
     ring = _Ring(*ring, blocks.stages_bwd)
@@ -741,6 +767,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, own_ready.at[2 * wg])
         plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile, own_ready.at[2 * wg + 1])
+        if rotary is not None:  # the tables the final rotation reads
+            pl.when(wg == 0)(rotary.fetch)
+            rotary.prefetch(wg, first // ROPE_ROWS)
         plgpu.barrier_wait(own_ready.at[2 * wg])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
         col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -776,7 +805,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
         dk = dk * spec.scale
         if rotary is not None:
-            dk = rotary(dk, first // ROPE_ROWS, inverse=True)
+            dk = rotary(dk, first // ROPE_ROWS, inverse=True, base=rotary.own_base(wg))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # k_tile is reused below
         _store_tiles([(dk, k_tile, dk_ref.at[batch, keys, kv_head]), (dv, v_tile, dv_ref.at[batch, keys, kv_head])])
 
@@ -857,7 +886,8 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
         flags = jax.new_ref(jnp.zeros((batch, k.shape[2], k.shape[1] // blocks.block_kv, FLAG_WORDS), jnp.int32))
         args += (*rope, flags)
         shared_smem, shared_barriers = _SharedKeys.scratch(blocks.stages, blocks.block_kv, head_dim)
-        own_smem, own_ready = own_smem + (_Rotary.scratch(head_dim), shared_smem), (own_ready, shared_barriers)
+        rotary_smem, base_ready = _Rotary.scratch(head_dim)
+        own_smem, own_ready = own_smem + (rotary_smem, shared_smem), (own_ready, base_ready, shared_barriers)
         out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype),) + (jax.ShapeDtypeStruct(q.shape, q.dtype),) * rotated
     sizes = dict(heads=num_heads, q_tiles=q_pad // blocks.q_tile, batch=batch)
     names = FORWARD_GRID if spec.rope is None else ROPE_FORWARD_GRID
@@ -881,7 +911,12 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
     if spec.rope is not None:
         _check_rope_blocks(blocks)
         tables = tuple(rope)
-    own = lambda rows, dtype: ((_smem((2, rows, head_dim), dtype),) * 2, plgpu.Barrier(num_barriers=4))
+    def own(rows, dtype):  # each compute warpgroup's two tiles[, the rotary's tables]
+        smem, ready = (_smem((2, rows, head_dim), dtype),) * 2, plgpu.Barrier(num_barriers=4)
+        if not tables:
+            return smem, ready
+        rotary_smem, base_ready = _Rotary.scratch(head_dim)
+        return smem + (rotary_smem,), (ready, plgpu.Barrier(num_barriers=1), base_ready)
     dk, dv = _launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
                      (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (num_kv_heads, kv_pad // (2 * bkv), batch),
                      ("heads", "k_tiles", "batch"), own(bkv, k.dtype),
