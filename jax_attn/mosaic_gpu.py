@@ -327,9 +327,9 @@ def _join_columns(parts):
 
 
 class _Rotary:
-    """The RoPE rotation of 64-row blocks in registers: the tables in gmem, the delta table copied
-    once per CTA into shared memory (`fetch`, then `ready` fires) and, for each compute warpgroup,
-    the base rows of its own block (`prefetch`, then `own_base`): a rotation then waits on no gmem
+    """The RoPE rotation of 64-row blocks in registers, from tables in shared memory: the delta
+    table copied once per CTA (`fetch`, then `ready` fires) and a block's base rows (for each
+    compute warpgroup's own block: `prefetch`, then `own_base`), so a rotation waits on no gmem
     load. A block rotates 32 pairs at a time (bounded registers: the producer warpgroup rotates
     with few); cos and sin are computed once per pair (angle addition) and spread over its two
     columns by moving registers."""
@@ -359,25 +359,18 @@ class _Rotary:
         plgpu.barrier_wait(self.base_ready.at[wg])
         return self.base_smem.at[wg]
 
-    def _delta(self, cols):
-        if self.delta_smem is not None:
-            return self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
-        return tuple(_load_gmem(self.delta_ref.at[i, :, cols], plgpu.Layout.WGMMA) for i in range(2))
-
-    def pieces(self, columns, block, inverse: bool, base=None):
-        """R x (R^T x if inverse) at positions 64 block + r, r < 64, for x [64, D] given by
-        columns(start, width) -> x[:, start:start + width] fp32 (WGMMA layout): -> the rotated
-        column pieces, in order. `base`: the block's base rows [2, D/2] (default: from gmem)."""
-        base_row = (lambda i, cols: self.base_ref.at[i, block, cols]) if base is None else (lambda i, cols: base.at[i, cols])
+    def pieces(self, columns, base, inverse: bool):
+        """R x (R^T x if inverse) for x [64, D] given by columns(start, width) -> x[:, start:start +
+        width] fp32 (WGMMA layout), at the positions of the 64-row block whose base rows [2, D/2]
+        (shared memory) are `base`: -> the rotated column pieces, in order."""
         count = self.delta_ref.shape[-1] // ROPE_PIECE
         col = plgpu.Layout.WGMMA.reduce(0)
         shape = (ROPE_ROWS, ROPE_PIECE)
         firsts, seconds = [], []  # style "half": the pieces of the pairs' first and second columns
         for j in range(count):
             cols = pl.ds(j * ROPE_PIECE, ROPE_PIECE)
-            c0, s0 = (lax.broadcast_in_dim(_load_gmem(base_row(i, cols), col), shape, [1])
-                      for i in range(2))
-            dc, ds = self._delta(cols)
+            c0, s0 = (lax.broadcast_in_dim(_load_gmem(base.at[i, cols], col), shape, [1]) for i in range(2))
+            dc, ds = self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
             cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
             if inverse:
                 sin = -sin
@@ -390,21 +383,19 @@ class _Rotary:
                 firsts.append(x * _interleave(cos, cos) + _swap_pairs(x) * _interleave(-sin, sin))
         return firsts + seconds
 
-    def __call__(self, x, block, inverse: bool = False, base=None):
-        """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout) at positions 64 block + r;
-        `base` [2, 1, D/2] as for `tile`."""
-        return _join_columns(self.pieces(lambda start, width: x[:, start:start + width], block, inverse,
-                                         base=None if base is None else base.at[:, 0]))
+    def __call__(self, x, base, inverse: bool = False):
+        """R x (R^T x if inverse) for x [64, D] fp32 (WGMMA layout); `base` as for `tile`."""
+        return _join_columns(self.pieces(lambda start, width: x[:, start:start + width], base.at[:, 0], inverse))
 
-    def tile(self, tile, first_block, base=None):
-        """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time; then commit it for
-        the async proxy (wgmma, TMA). `base`: the blocks' base rows [2, rows / 64, D/2] (default:
-        from gmem)."""
+    def tile(self, tile, base):
+        """Rotate a [rows, D] tile in shared memory in place, 64 rows at a time, given its blocks'
+        base rows [2, rows / 64, D/2] in shared memory; then commit it for the async proxy (wgmma,
+        TMA)."""
         for c in range(tile.shape[0] // ROPE_ROWS):
             part = tile.at[pl.ds(c * ROPE_ROWS, ROPE_ROWS)]
             x = part[...]
             out = self.pieces(lambda start, width: x[:, start:start + width].astype(jnp.float32),
-                              first_block + c, inverse=False, base=None if base is None else base.at[:, c])
+                              base.at[:, c], inverse=False)
             part[...] = _join_columns([o.astype(tile.dtype) for o in out])
         plgpu.commit_smem()
 
@@ -491,7 +482,7 @@ class _SharedKeys:
         @pl.when(self._local(t))
         def _():
             plgpu.barrier_wait(self.base_ready.at[ring_slot])
-            self.rotary.tile(slot, self._first_block(t), base=self.base.at[ring_slot])
+            self.rotary.tile(slot, self.base.at[ring_slot])
 
     def _publish(self, t, when):
         """Step t's flag (its block's store has completed), if `when` and step t rotated it."""
@@ -632,7 +623,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
             rotary.prefetch(wg, first // ROPE_ROWS)
         plgpu.barrier_wait(own_ready.at[wg])
         if rotary is not None:
-            rotary.tile(q_tile, first // ROPE_ROWS, base=rotary.own_base(wg))
+            rotary.tile(q_tile, rotary.own_base(wg))
             if q_rot_ref:  # the backward reads q rotated
                 plgpu.copy_smem_to_gmem(q_tile, q_rot_ref[0].at[batch, rows, head])
 
@@ -687,7 +678,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
                spec: AttentionSpec, group: int, kv_len: int):
     """dQ = scale * dS K with dS = P (dO V^T - delta), P = exp2(s2 - m2); two query blocks per CTA
     (one per compute warpgroup) stream the key blocks, as the forward, and mask as it does. With
-    RoPE q and k come rotated (the forward's q, the dK/dV kernel's k) and dQ is rotated back."""
+    RoPE q and k come rotated (the forward's) and dQ is rotated back."""
     *refs, own, ring = refs
     tables, (dq_ref,) = _split_tables(tuple(refs), spec)
     (q_smem, do_smem), own_ready, rotary = _backward_own(own, tables, spec)
@@ -727,7 +718,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         dq = _walk(step, _zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
         if rotary is not None:
-            dq = rotary(dq, first // ROPE_ROWS, inverse=True, base=rotary.own_base(wg))
+            dq = rotary(dq, rotary.own_base(wg), inverse=True)
         _store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages_bwd, spec=spec,
@@ -805,7 +796,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
         dk = dk * spec.scale
         if rotary is not None:
-            dk = rotary(dk, first // ROPE_ROWS, inverse=True, base=rotary.own_base(wg))
+            dk = rotary(dk, rotary.own_base(wg), inverse=True)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # k_tile is reused below
         _store_tiles([(dk, k_tile, dk_ref.at[batch, keys, kv_head]), (dv, v_tile, dv_ref.at[batch, keys, kv_head])])
 

@@ -551,8 +551,9 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
 
 
 def _forward(st: _Static, q, k, v, side, ranges, *, differentiated: bool):
-    """The forward kernel the call asked for -> out, lse, m2, inv_l[, q rotated[, k rotated: Mosaic]] (inv_l None for
-    the Mosaic kernels, whose backward recomputes P = exp2(s2 - m2) from m2 = lse2 alone)."""
+    """The forward kernel the call asked for -> out, lse, m2, inv_l[, q rotated[, k rotated
+    (Mosaic)]] (inv_l None for the Mosaic kernels, whose backward recomputes P = exp2(s2 - m2)
+    from m2 = lse2 alone)."""
     if st.mosaic is None:
         return _fwd_call(st, q, k, v, side, ranges, differentiated=differentiated)
     out, lse2, *rotated = mosaic_gpu.flash_forward(q, k, v, st.spec, st.kv_len, st.mosaic, side[2],
