@@ -31,7 +31,7 @@ from jax_attn.spec import AttentionSpec  # noqa: E402
 from jax_attn.stick_breaking_pallas import stick_breaking_pallas  # noqa: E402
 
 SWEEP = [  # block_q, block_k, block_q_dkv, num_warps, num_stages (--sweep)
-    (64, 64, 64, 4, 2), (64, 64, 64, 4, 3), (64, 64, 64, 8, 2), (128, 64, 64, 8, 2), (64, 32, 64, 4, 2),
+    (64, 64, 32, 4, 2), (64, 64, 64, 4, 2), (64, 64, 64, 4, 3), (64, 64, 64, 8, 2), (128, 64, 64, 8, 2), (64, 32, 64, 4, 2),
     (32, 64, 32, 4, 2), (128, 32, 128, 8, 2),
 ]
 
