@@ -20,8 +20,9 @@ edge blocks masked (`_partner_blocks`); `unsupported_reason` names what it does 
 RoPE at positions arange (`_Rotary`): the compute warpgroups rotate their own query block; the
 forward's CTAs share the rotated key blocks through gmem (`_SharedKeys`): a producer loads a
 block another CTA published, or rotates it in shared memory before it signals it ready and
-publishes it. The backward reads q rotated (written by the forward) and k rotated (written by
-the dK/dV kernel, which rotates its own block once) and rotates dq, dk back.
+publishes it. The backward reads q and k rotated (both written by the forward; a key block no
+query sees is never rotated, and never read) and rotates dq, dk back; the rotations outside the
+producer take their tables from shared memory, prefetched at the CTA's start.
 
 No interpreter runs these kernels on CPU (jax 0.10); the tests lower them there and run them on
 the GPU.

@@ -551,14 +551,17 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
 
 
 def _forward(st: _Static, q, k, v, side, ranges, *, differentiated: bool):
-    """The forward kernel the call asked for -> out, lse, m2, inv_l[, q rotated[, k rotated
-    (Mosaic)]] (inv_l None for the Mosaic kernels, whose backward recomputes P = exp2(s2 - m2)
-    from m2 = lse2 alone)."""
+    """The forward kernel the call asked for -> out, lse, m2, inv_l and (q, k) as that engine's
+    backward reads them: with RoPE, q rotated (and, from the Mosaic forward, k rotated too; the
+    Triton dK/dV kernel rotates its own key block). inv_l is None for the Mosaic kernels, whose
+    backward recomputes P = exp2(s2 - m2) from m2 = lse2 alone."""
     if st.mosaic is None:
-        return _fwd_call(st, q, k, v, side, ranges, differentiated=differentiated)
+        out, lse, m2, inv_l, *q_rot = _fwd_call(st, q, k, v, side, ranges, differentiated=differentiated)
+        return out, lse, m2, inv_l, (q_rot[0] if q_rot else q, k)
     out, lse2, *rotated = mosaic_gpu.flash_forward(q, k, v, st.spec, st.kv_len, st.mosaic, side[2],
                                                    rotated=differentiated and st.spec.rope is not None)
-    return out, lse2 / LOG2E, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), None, *rotated  # empty rows: P = 0
+    lse, m2 = lse2 / LOG2E, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)  # empty rows: P = 0
+    return out, lse, m2, None, tuple(rotated) or (q, k)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -568,9 +571,7 @@ def _flash(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
 
 
 def _flash_fwd(st, q, k, v, side, fwd_ranges, dq_ranges, dkdv_ranges):
-    out, lse, m2, inv_l, *rotated = _forward(st, q, k, v, side, fwd_ranges, differentiated=True)
-    q = rotated[0] if rotated else q  # with RoPE the backward needs q only rotated, and k as the
-    k = rotated[1] if len(rotated) > 1 else k  # Mosaic forward left it (Triton's rotates its own)
+    out, lse, m2, inv_l, (q, k) = _forward(st, q, k, v, side, fwd_ranges, differentiated=True)
     return (out, lse), (q, k, v, side, dq_ranges, dkdv_ranges, out, m2, inv_l)
 
 
