@@ -150,13 +150,13 @@ def _load_parts(ref, prefix, spec, head_dim):
     return tuple(ref[(*prefix, c)] for c in _columns(spec, head_dim))
 
 
-def _store_parts(ref, parts, spec, head_dim):
+def _store_parts(ref, parts, spec, head_dim, rows=slice(None)):
     if _interleaved(spec):
         x = jnp.stack(parts, axis=-1)
-        ref[...] = x.reshape(*x.shape[:-2], head_dim).astype(ref.dtype)
+        ref[rows, :] = x.reshape(*x.shape[:-2], head_dim).astype(ref.dtype)
         return
     for c, x in zip(_columns(spec, head_dim), parts):
-        ref[:, c] = x.astype(ref.dtype)
+        ref[rows, c] = x.astype(ref.dtype)
 
 
 def _rope_cos_sin(table_ref, rows=slice(None), delta=None):

@@ -174,10 +174,17 @@ def _dz(a, da, sigma, valid, g_left, axis):
     return dz, g
 
 
-def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool):
+def _barrier(st: _Static):
+    """All threads of the program (bar.sync); the interpreter runs a program as one thread."""
+    if not st.interpret:
+        plgpu.debug_barrier()
+
+
+def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, between=None):
     """Walk the key blocks a query block sees (keys j < its last row) in order, leftwards from the
     diagonal or rightwards to it; the diagonal tiles evaluate the mask j < i, the others do not.
-    `body(block, carry, masked)`."""
+    `body(block, carry, masked)`. Leftwards, `between(full)` runs after the diagonal tiles and
+    returns the number of blocks [0, full) to walk then (= full)."""
     first_row = pl.program_id(0) * row_block
     hi = (first_row + row_block - 1 + block_k - 1) // block_k  # blocks holding some j < last row
     full = first_row // block_k  # blocks with every j < first row
@@ -185,6 +192,8 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool):
     unmasked = functools.partial(body, masked=False)
     if leftwards:
         carry = jax.lax.fori_loop(0, hi - full, lambda t, c: masked(hi - 1 - t, c), carry)
+        if between is not None:
+            full = between(full)
         return jax.lax.fori_loop(0, full, lambda t, c: unmasked(full - 1 - t, c), carry)
     carry = jax.lax.fori_loop(0, full, unmasked, carry)
     return jax.lax.fori_loop(full, hi, masked, carry)
@@ -195,27 +204,58 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: bool, group: int):
+def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: bool):
     spec = st.spec
-    _, _, tables, (o_ref, rem_ref, *saved) = _unpack(refs, spec)
+    _, _, tables, refs = _unpack(refs, spec)
+    rope = spec.rope is not None
+    if rope:  # (the flags' input ref, aliased to the output ref used here)
+        _, o_ref, rem_ref, *saved, q_rot_ref, k_rot_ref, flags_ref = refs
+    else:
+        o_ref, rem_ref, *saved = refs
+    c_ref = saved[0] if save_sums else None
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
-    rope = spec.rope is not None
     lam = decay_ref[pl.program_id(2)]
-    q_cs = _rope_cos_sin(tables[0]) if rope else None
-    q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
-    rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
-    c_ref = saved[0] if save_sums else None
-    if save_sums and rope:  # q and k rotated, for the backward (whose loops then rotate nothing)
-        q_rot_ref, k_rot_ref = saved[1:]
+    q = _load_parts(q_ref, (slice(None),), spec, head_dim)
+    q_whole = q
+    if rope:  # rotated into q_rot and read back whole, for the products with shared key tiles
+        q = _rotate(q, _rope_cos_sin(tables[0]), q_ref.dtype)
         _store_parts(q_rot_ref, q, spec, head_dim)
-        own = pl.ds(pl.program_id(0) * block_q, block_q)  # the key rows of this query block,
+        _barrier(st)
+        q_whole = (q_rot_ref[...],)
+    rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
 
-        @pl.when(pl.program_id(2) % group == 0)  # stored by the kv head's first query head
-        def _():
-            k_own = _rotate(_load_parts(k_ref, (own,), spec, head_dim), _rope_cos_sin(tables[1], own),
-                            k_ref.dtype)
-            _store_parts(k_rot_ref, k_own, spec, head_dim)
+    def keys(tile, block, masked):
+        """(q, k) of a tile. With RoPE each key tile is rotated once per kv head, not once per
+        query block: the program whose diagonal holds it rotates it (in feature parts) and
+        publishes it to k_rot (stores, barrier, flag: a split-K semaphore's release); the tiles
+        left of the diagonal are read from k_rot whole, after `wait_for_keys`."""
+        if not rope:
+            return q, (k_ref[tile, :],)
+        if not masked:
+            return q_whole, (k_rot_ref[tile, :],)
+        # cos/sin rows loaded, not composed by `_rope_cos_sin`'s angle addition: this code is
+        # ALU-bound (the addition took the forward from 5.5 to 6.2 ms, H100, 2x8192x16x128)
+        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), _rope_cos_sin(tables[1], tile), k_ref.dtype)
+        _store_parts(k_rot_ref, k, spec, head_dim, tile)
+        _barrier(st)  # every thread's stores precede the flag
+        _publish(flags_ref, block, st)
+        return q, k
+
+    def wait_for_keys(full):
+        """Polls the flags until key blocks [0, full) are published, then one acquire read; its
+        value (> 0) bounds the loop over them, so none of their loads is issued before it (nor an
+        iteration early by Triton's software pipeliner). Each program publishes before it waits,
+        and those it waits for precede it in the launch order. The interpreter runs the programs
+        one after another: published already."""
+        if st.interpret:
+            return full
+        needed = jnp.arange(flags_ref.shape[0]) < full
+        poll = lambda *_: plgpu.load(flags_ref, volatile=True)
+        pending = lambda flags: jnp.max(jnp.where(needed & (flags == 0), 1, 0)) > 0
+        jax.lax.while_loop(pending, poll, poll())
+        acquired = plgpu.atomic_add(flags_ref, (jnp.maximum(full - 1, 0),), jnp.int32(0))
+        return jnp.where(acquired > 0, full, 0)
 
     def body(block, carry, masked):
         c, acc = carry
@@ -223,53 +263,68 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
             c_ref[block, :] = c
         start = pl.multiple_of(block * block_k, block_k)
         tile = pl.ds(start, block_k)
-        # cos/sin rows loaded, not composed by `_rope_cos_sin`'s angle addition: this kernel is
-        # ALU-bound, and the addition took its forward from 5.5 to 6.2 ms (H100, 2x8192x16x128)
-        k_cs = _rope_cos_sin(tables[1], tile) if rope else None
-        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
+        q_parts, k = keys(tile, block, masked)
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
-        z = _logits(q, k, spec, lam, rows, cols, st.fast)
+        z = _logits(q_parts, k, spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
         sp, _, a = _stick(z, valid, c[:, None], 1, st, suffix_by_dots=True)
         acc = acc + _dot(a.astype(v.dtype), v, spec)
         return c + sp.sum(axis=1), acc
 
     carry = (jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
-    c, acc = _row_walk(body, carry, block_q, block_k, leftwards=True)
+    c, acc = _row_walk(body, carry, block_q, block_k, leftwards=True, between=wait_for_keys if rope else None)
     o_ref[...] = acc.astype(o_ref.dtype)
     rem_ref[...] = _exp(-c, st)
 
 
+def _publish(flags_ref, index, st: _Static):
+    """flags[index] = 1 by an atomic (release: after the stores of every thread, see `_barrier`)."""
+    if st.interpret:  # (which cannot discharge atomics inside loops)
+        flags_ref[index] = jnp.int32(1)
+    else:
+        plgpu.atomic_max(flags_ref, (index,), jnp.int32(1))
+
+
 def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
-    """-> out, rem and, when save_sums, the softplus sums at the key-block boundaries and, with
-    RoPE, q and k rotated."""
+    """-> out, rem, the softplus sums at the key-block boundaries when save_sums and, with RoPE,
+    q and k rotated (the key tiles shared by the programs of a kv head, see `keys`)."""
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     bq = st.blocks.block_q
+    num_k_blocks = seq_pad // st.blocks.block_k
     side_specs, side_args = _side_specs_and_args((None, None, table, table), bq, lambda i, b, h: i,
                                                  seq_pad, lambda *_: 0)
     kv_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
-    sums_spec = pl.BlockSpec((None, None, seq_pad // st.blocks.block_k, bq), lambda i, b, h: (b, h, 0, i))
-    sums = jax.ShapeDtypeStruct((batch, num_heads, seq_pad // st.blocks.block_k, seq_pad), jnp.float32)
+    sums_spec = pl.BlockSpec((None, None, num_k_blocks, bq), lambda i, b, h: (b, h, 0, i))
     q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-    rotated = save_sums and st.spec.rope is not None  # + q, k rotated
-    return pl.pallas_call(
-        functools.partial(_fwd_kernel, st=st, save_sums=save_sums, group=group),
+    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec(decay.shape, lambda *_: (0,)), *side_specs]
+    out_specs = [q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] + [sums_spec] * save_sums
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)]
+    out_shape += [jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32)] * save_sums
+    args = [q, k, v, decay, *side_args]
+    aliases = {}
+    if st.spec.rope is not None:  # + q, k rotated and the flags of the published key blocks
+        flags = jnp.zeros((batch, num_kv_heads, num_k_blocks), jnp.int32)
+        flags_spec = pl.BlockSpec((None, None, num_k_blocks), lambda i, b, h: (b, h // group, 0))
+        aliases = {len(args): len(out_shape) + 2}
+        args.append(flags)
+        in_specs.append(flags_spec)
+        out_specs += [q_spec, kv_spec, flags_spec]
+        out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                      jax.ShapeDtypeStruct(flags.shape, flags.dtype)]
+    outs = pl.pallas_call(
+        functools.partial(_fwd_kernel, st=st, save_sums=save_sums),
         grid=(seq_pad // bq, batch, num_heads),
-        in_specs=[q_spec, kv_spec, kv_spec, pl.BlockSpec(decay.shape, lambda *_: (0,)), *side_specs],
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
-        + [sums_spec] * save_sums
-        + [q_spec, pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h // group, 0))] * rotated,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)] + [sums] * save_sums
-        + [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)] * rotated,
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps,
                                              num_stages=st.blocks.num_stages),
         interpret=st.interpret,
         name="stick_breaking_fwd",
-    )(q, k, v, decay, *side_args)
+    )(*args)
+    return outs[:-1] if aliases else outs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,7 +474,8 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _stick_breaking(st, q, k, v, decay, table):
-    return _fwd_call(st, q, k, v, decay, table, save_sums=False)
+    out, rem, *_ = _fwd_call(st, q, k, v, decay, table, save_sums=False)  # (+ q, k rotated)
+    return out, rem
 
 
 def _stick_breaking_fwd(st, q, k, v, decay, table):
