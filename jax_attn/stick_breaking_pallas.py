@@ -217,12 +217,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
     q = _load_parts(q_ref, (slice(None),), spec, head_dim)
-    q_whole = q
-    if rope:  # rotated into q_rot and read back whole, for the products with shared key tiles
+    shared = {}  # with RoPE: q whole, read back from q_rot for the products with shared key tiles
+    if rope:
         q = _rotate(q, _rope_cos_sin(tables[0]), q_ref.dtype)
         _store_parts(q_rot_ref, q, spec, head_dim)
         _barrier(st)
-        q_whole = (q_rot_ref[...],)
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
 
     def keys(tile, block, masked):
@@ -233,7 +232,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         if not rope:
             return q, (k_ref[tile, :],)
         if not masked:
-            return q_whole, (k_rot_ref[tile, :],)
+            return shared["q"], (k_rot_ref[tile, :],)
         # cos/sin rows loaded, not composed by `_rope_cos_sin`'s angle addition: this code is
         # ALU-bound (the addition took the forward from 5.5 to 6.2 ms, H100, 2x8192x16x128)
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), _rope_cos_sin(tables[1], tile), k_ref.dtype)
@@ -248,6 +247,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         iteration early by Triton's software pipeliner). Each program publishes before it waits,
         and those it waits for precede it in the launch order. The interpreter runs the programs
         one after another: published already."""
+        shared["q"] = (q_rot_ref[...],)  # not before: the diagonal tiles hold q in parts
         if st.interpret:
             return full
         needed = jnp.arange(flags_ref.shape[0]) < full
