@@ -217,7 +217,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
     q = _load_parts(q_ref, (slice(None),), spec, head_dim)
-    shared = {}  # with RoPE: q whole, read back from q_rot for the products with shared key tiles
+    q_whole = []  # with RoPE, after the diagonal tiles: q rotated, read back whole (`after_diagonal`)
     if rope:
         q = _rotate(q, _rope_cos_sin(tables[0]), q_ref.dtype)
         _store_parts(q_rot_ref, q, spec, head_dim)
@@ -228,11 +228,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         """(q, k) of a tile. With RoPE each key tile is rotated once per kv head, not once per
         query block: the program whose diagonal holds it rotates it (in feature parts) and
         publishes it to k_rot (stores, barrier, flag: a split-K semaphore's release); the tiles
-        left of the diagonal are read from k_rot whole, after `wait_for_keys`."""
+        left of the diagonal are read from k_rot whole, after `after_diagonal`."""
         if not rope:
             return q, (k_ref[tile, :],)
         if not masked:
-            return shared["q"], (k_rot_ref[tile, :],)
+            return tuple(q_whole), (k_rot_ref[tile, :],)
         # cos/sin rows loaded, not composed by `_rope_cos_sin`'s angle addition: this code is
         # ALU-bound (the addition took the forward from 5.5 to 6.2 ms, H100, 2x8192x16x128)
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), _rope_cos_sin(tables[1], tile), k_ref.dtype)
@@ -241,13 +241,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         _publish(flags_ref, block, st)
         return q, k
 
-    def wait_for_keys(full):
-        """Polls the flags until key blocks [0, full) are published, then one acquire read; its
-        value (> 0) bounds the loop over them, so none of their loads is issued before it (nor an
-        iteration early by Triton's software pipeliner). Each program publishes before it waits,
-        and those it waits for precede it in the launch order. The interpreter runs the programs
-        one after another: published already."""
-        shared["q"] = (q_rot_ref[...],)  # not before: the diagonal tiles hold q in parts
+    def after_diagonal(full):
+        """q rotated, read back whole from q_rot for the products with shared key tiles (not
+        before: the diagonal tiles hold q in feature parts, and holding both cost the forward
+        1.07 of 3.36 ms, H100, 2x8192x16x128). Then polls the flags until key blocks [0, full)
+        are published, and one acquire read: its value (> 0) bounds the loop over them, so none
+        of their loads is issued before it (nor an iteration early by Triton's software
+        pipeliner). Each program publishes before it waits, and those it waits for precede it in
+        the launch order. The interpreter runs the programs one after another: published."""
+        q_whole.append(q_rot_ref[...])
         if st.interpret:
             return full
         needed = jnp.arange(flags_ref.shape[0]) < full
@@ -273,7 +275,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         return c + sp.sum(axis=1), acc
 
     carry = (jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
-    c, acc = _row_walk(body, carry, block_q, block_k, leftwards=True, between=wait_for_keys if rope else None)
+    c, acc = _row_walk(body, carry, block_q, block_k, leftwards=True, between=after_diagonal if rope else None)
     o_ref[...] = acc.astype(o_ref.dtype)
     rem_ref[...] = _exp(-c, st)
 
