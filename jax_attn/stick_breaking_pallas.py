@@ -112,10 +112,9 @@ def _exp(x, st: _Static):
     return jnp.exp2(x) if st.fast else jnp.exp(x)
 
 
-def _stick(z, valid, c, axis, st: _Static, *, suffix_by_dots: bool = False):
+def _stick(z, valid, c, axis, st: _Static):
     """softplus, sigma and A of one tile; `axis` is the key axis, c the softplus sum to the right.
     Returns (sp, sigma, a), sp and a zero where not valid (valid None: all valid).
-    `suffix_by_dots`: see `_strict_suffix`.
 
     Exact (fp32 inputs): natural logs, softplus = max(z, 0) + log1p(exp(-|z|)), which keeps the
     tiny terms of strongly negative logits. `fast` (16-bit inputs; the tile math is
@@ -131,44 +130,46 @@ def _stick(z, valid, c, axis, st: _Static, *, suffix_by_dots: bool = False):
     log_beta = jnp.minimum(z, 0.0) - t  # log sigmoid(z)
     if valid is not None:
         sp = jnp.where(valid, sp, 0.0)
-    suffix = _strict_suffix(sp, axis, exact=not st.fast, by_dots=suffix_by_dots)
+    suffix = _key_sums(sp, axis, inclusive=False, exact=not st.fast)
     a = _exp(log_beta - c - suffix, st)
     if valid is not None:
         a = jnp.where(valid, a, 0.0)
     return sp, _exp(log_beta, st), a
 
 
-def _strict_suffix(x, axis, exact: bool, by_dots: bool = False):
-    """Sum over the keys of the tile right of each key (x >= 0, zero where masked).
+def _key_sums(x, axis, *, inclusive: bool, exact: bool):
+    """Per key of a tile, the sum of x over the keys up to it (`inclusive`, for dz) or right of
+    it (strict suffix, for A), along the key axis `axis`.
 
-    rowsum - cumsum errs by eps * rowsum, most harmful at the diagonal where A is largest: fine
-    for 16-bit outputs, several times the reference's error in fp32. `exact` sums only the keys
-    to the right, as a product with a strictly triangular 0/1 matrix in fp32 (the lowering has
-    no reverse cumsum). `by_dots` (16-bit) does the same on the tensor cores in fp16, x split
-    into hi + lo (22 bits): the scans cost the ALU-bound forward 9 % (H100, 2x8192x16x128),
-    while in the backward kernels the extra products cost more than the scans (+4 to +20 %)."""
-    if not (exact or by_dots):
-        return jnp.sum(x, axis=axis, keepdims=True) - jnp.cumsum(x, axis=axis)
+    As products with a triangular 0/1 matrix: the lowering has no reverse cumsum, and rowsum -
+    cumsum errs by eps * rowsum (most where A is largest, at the diagonal; several times the
+    reference's error in fp32). `exact` (fp32 inputs): the suffix in fp32, the prefix a cumsum.
+    16-bit inputs: on the tensor cores in fp16, x split into hi + lo (22 bits). The scans cost
+    more (H100, 2x8192x16x128: the forward 9 %; the backward 5.5 %, and only once a kernel has no
+    scan left: replacing one of its two scans made it slower, +4 to +18 %)."""
+    if exact and inclusive:
+        return jnp.cumsum(x, axis=axis)
     n = x.shape[axis]
-    later = jnp.arange(n)[:, None] > jnp.arange(n)[None, :]  # [m, j]: key m is right of key j
+    m, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    counts = (m <= j) if inclusive else (m > j)  # [m, j]: key m counts for key j
     dims = (((1,), (0,)), ((), ()))
     if exact:
         parts, dtype, precision = (x,), x.dtype, jax.lax.Precision.HIGHEST
     else:
         hi = x.astype(jnp.float16)
         parts, dtype, precision = (hi, (x - hi.astype(x.dtype)).astype(jnp.float16)), jnp.float16, None
-    tri = later.astype(dtype)
+    tri = counts.astype(dtype)
     dot = lambda a, b: jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
     if axis == 1:  # [rows, keys] @ [m, j]
         return sum(dot(part, tri) for part in parts)
     return sum(dot(tri.T, part) for part in parts)
 
 
-def _dz(a, da, sigma, valid, g_left, axis):
+def _dz(a, da, sigma, valid, g_left, axis, st: _Static):
     """(dz, g) of one tile: g = A dA, dz = g - sigma (g_left + g summed up to the key, inclusive),
     where g_left holds drem rem + the g of the keys left of the tile."""
     g = a * da
-    dz = g - sigma * (g_left + jnp.cumsum(g, axis=axis))
+    dz = g - sigma * (g_left + _key_sums(g, axis, inclusive=True, exact=not st.fast))
     if valid is not None:
         dz = jnp.where(valid, dz, 0.0)
     return dz, g
@@ -270,7 +271,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         cols = (start + jnp.arange(block_k))[None, :]
         z = _logits(q_parts, k, spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
-        sp, _, a = _stick(z, valid, c[:, None], 1, st, suffix_by_dots=True)
+        sp, _, a = _stick(z, valid, c[:, None], 1, st)
         acc = acc + _dot(a.astype(v.dtype), v, spec)
         return c + sp.sum(axis=1), acc
 
@@ -357,7 +358,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
         valid = cols < rows if masked else None
         _, sigma, a = _stick(z, valid, c_ref[block, :][:, None], 1, st)
         da = _dot(do, v, spec, trans_b=True)
-        dz, g = _dz(a, da, sigma, valid, g_left[:, None], axis=1)
+        dz, g = _dz(a, da, sigma, valid, g_left[:, None], 1, st)
         ddecay = ddecay - jnp.sum(dz * (rows - cols).astype(jnp.float32), axis=1)
         dz = dz.astype(k_ref.dtype)
         dq = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dq, k))
@@ -399,7 +400,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st
         valid = cols < rows if masked else None
         _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :], 0, st)
         da = _dot(v, do, spec, trans_b=True)
-        dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], axis=0)
+        dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], 0, st)
         dv = dv + _dot(a.astype(do.dtype), do, spec)
         dz = dz.astype(q_ref.dtype)
         dk = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dk, q))
