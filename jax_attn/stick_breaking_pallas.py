@@ -7,8 +7,10 @@ Definition (DESIGN.md "ExpoSB"; Tan et al., arXiv 2410.17980), strictly causal, 
 
 Forward, one program per (query block, batch, head): key blocks are walked from the diagonal
 leftwards; `c` carries the softplus sum of the keys already passed (to the right), and inside a
-tile the strict suffix sum is rowsum - cumsum. No max shift is needed: log A <= 0. For 16-bit
-inputs the logs are base 2 (single-MUFU exp2/log2; the tile math is elementwise-bound).
+tile the strict suffix sums are a triangular product (`_key_sums`). No max shift is needed:
+log A <= 0. For 16-bit inputs the logs are base 2, each transcendental one PTX instruction (the
+tile math is elementwise-bound). With RoPE each key block is rotated once per kv head, by the
+program whose diagonal holds it, and shared with the others through k_rot and flags (`keys`).
 
 Backward. With g_ij = A_ij (dO_i . v_j) and sigma = sigmoid(z):
   dz_ij = g_ij - sigma_ij (drem_i rem_i + sum_{m<=j} g_im),
@@ -19,7 +21,8 @@ cancellation costs fp32 gradients (the decay gradient weighs far keys by i - j) 
 forward (walking leftwards) stores its softplus sums at every key-block boundary, the dQ kernel
 walks rightwards, reads them and stores its g sums, and the dK/dV kernel (one program per key
 block and kv head, looping over query blocks and the GQA group in one flat loop) reads both
-([B, H, key blocks, S] fp32 each). No atomics: deterministic.
+([B, H, key blocks, S] fp32 each). No atomics: deterministic (as is the forward: its flags only
+order who reads a rotated block after it was written, never what is summed).
 The tile math is shared with the softmax engine (`pallas_triton`): RoPE feature parts, dots.
 """
 from __future__ import annotations
