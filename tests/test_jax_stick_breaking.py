@@ -156,23 +156,36 @@ def test_gpu(dtype, shape, kw):
     check(shape, dtype=dtype, **kw)
 
 
-def test_fp32_forward_at_gpu_tiles():
-    """64-key tiles (the GPU's): the in-tile suffix sum must not cost fp32 digits (rowsum - cumsum
-    did: 20x the reference's error here)."""
+def _forward_at_tiles(seed, shape, decay, blocks, rope=None):
+    """The Pallas forward (interpreter) at the given tiles against the golden, fp32."""
+    from jax_attn import stick_breaking_reference
     from jax_attn.spec import AttentionSpec
     from jax_attn.stick_breaking_pallas import StickBreakingBlocks, stick_breaking_pallas
 
-    q, k, v, _, _ = _draw(6, 1, 256, 2, 2, 32)
-    spec = AttentionSpec(scale=32 ** -0.5, causal=True, precision=jax.lax.Precision.HIGHEST)
-    decay = np.array([0.0, 0.01])
+    q, k, v, _, _ = _draw(seed, *shape)
+    spec = AttentionSpec(scale=shape[-1] ** -0.5, causal=True, rope=rope, precision=jax.lax.Precision.HIGHEST)
     run = lambda dt, f: np.asarray(f(*(jnp.asarray(x, dt) for x in (q, k, v)),
                                      jnp.asarray(decay, dt if dt == jnp.float64 else jnp.float32), spec)[0],
                                    np.float64)
-    from jax_attn import stick_breaking_reference
     with jax.enable_x64(True):
         golden = run(jnp.float64, stick_breaking_reference)
     naive = run(jnp.float32, stick_breaking_reference)
-    blocks = StickBreakingBlocks(64, 64, 64, 4, 1)
-    fast = run(jnp.float32, lambda *a: stick_breaking_pallas(*a, blocks=blocks, interpret=True))
-    verdict = compare(fast, naive, golden, np.float32, FORWARD_FACTOR)
+    tiles = StickBreakingBlocks(*blocks, 4, 1)
+    fast = run(jnp.float32, lambda *a: stick_breaking_pallas(*a, blocks=tiles, interpret=True))
+    return compare(fast, naive, golden, np.float32, FORWARD_FACTOR)
+
+
+def test_fp32_forward_at_gpu_tiles():
+    """64-key tiles (the GPU's): the in-tile suffix sum must not cost fp32 digits (rowsum - cumsum
+    did: 20x the reference's error here)."""
+    verdict = _forward_at_tiles(6, (1, 256, 2, 2, 32), np.array([0.0, 0.01]), (64, 64, 64))
+    assert verdict.ok, verdict
+
+
+@pytest.mark.parametrize("blocks", [(32, 16, 16), (16, 32, 16)], ids=["bq32_bk16", "bq16_bk32"])
+def test_rope_shared_key_blocks_at_other_tiles(blocks):
+    """With RoPE the forward reads key blocks rotated by the programs whose diagonal holds them:
+    every block left of a program's diagonal must have been published, whatever the tiles."""
+    verdict = _forward_at_tiles(3, (1, 70, 4, 2, 32), np.array([0.0, 0.1, 0.0, 0.3]), blocks,
+                                rope=Rope(base=500.0, style="half"))
     assert verdict.ok, verdict
