@@ -44,13 +44,15 @@ from jax_attn.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least
 @dataclasses.dataclass(frozen=True)
 class StickBreakingBlocks:
     """Tiles: block_q rows (forward, dQ), block_k keys everywhere (the boundary arrays are per
-    key block, so dQ and dK/dV share it), block_q_dkv rows per dK/dV step."""
+    key block, so dQ and dK/dV share it), block_q_dkv rows per dK/dV step; num_stages_dkdv for
+    the dK/dV kernel (None: num_stages)."""
 
     block_q: int = 64
     block_k: int = 64
     block_q_dkv: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    num_stages_dkdv: int | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_q_dkv"):
@@ -70,8 +72,10 @@ def default_stick_breaking_blocks(head_dim: int, interpret: bool, dtype) -> Stic
     if jnp.dtype(dtype) == jnp.float32 or head_dim > 128:
         return StickBreakingBlocks(32, 32, 32, 4, 2)
     # 32 rows per dK/dV step: that kernel holds two [64, D] fp32 accumulators (H100, 2x8192x16x128:
-    # backward 13.96 ms vs 14.90 with 64 rows; 8 warps 19-20 ms; the rest of the tiles: SWEEP)
-    return StickBreakingBlocks(64, 64, 32, 4, 2)
+    # backward 13.96 ms vs 14.90 with 64 rows; 8 warps 19-20 ms; the rest of the tiles: SWEEP).
+    # It waits on its loads most (ncu: long scoreboard) and a third stage hides them: 5.27 -> 4.90
+    # ms (4 stages: 4.90; 64 rows 16.5, 16 rows 6.1; the tile query-major instead: 8.2 to 9.3)
+    return StickBreakingBlocks(64, 64, 32, 4, 2, num_stages_dkdv=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,25 +132,31 @@ def _stick(z, valid, c, axis, st: _Static):
     tiny terms of strongly negative logits. `fast` (16-bit inputs; the tile math is
     elementwise-bound): logs in base 2, log2(1 + 2^-|z|) by the approximate ex2 and lg2
     instructions; lg2.approx errs <= 2^-22.6 absolute on [1, 2] and rounding 1 + x <= 2^-24, per
-    key, far below what a 16-bit output resolves."""
+    key, far below what a 16-bit output resolves. There, on query-major tiles (`axis` 1: forward,
+    dQ), A = exp(z - c - sum_{m>=j} sp) from the inclusive suffix sum, log sigmoid(z) = z - sp:
+    two instructions less per score (H100, 2x8192x16x128: forward 2.14 -> 2.00 ms, dQ 3.82 ->
+    3.69); the k-major dK/dV tile got slower with it (4.93 -> 5.73), so it keeps min(z, 0) - t."""
     if st.fast:
         t = _log2(1.0 + _exp(-jnp.abs(z), st), st)
     else:
         t = jnp.log1p(jnp.exp(-jnp.abs(z)))
     sp = jnp.maximum(z, 0.0) + t  # softplus(z) (/ ln 2 when fast)
-    log_beta = jnp.minimum(z, 0.0) - t  # log sigmoid(z)
     if valid is not None:
         sp = jnp.where(valid, sp, 0.0)
-    suffix = _key_sums(sp, axis, inclusive=False, exact=not st.fast)
-    a = _exp(log_beta - c - suffix, st)
+    if st.fast and axis == 1:
+        log_beta = z - sp  # log sigmoid(z), to eps |z|
+        a = _exp(z - c - _key_sums(sp, axis, keys="from", exact=False), st)
+    else:
+        log_beta = jnp.minimum(z, 0.0) - t  # log sigmoid(z)
+        a = _exp(log_beta - c - _key_sums(sp, axis, keys="after", exact=not st.fast), st)
     if valid is not None:
         a = jnp.where(valid, a, 0.0)
     return sp, _exp(log_beta, st), a
 
 
-def _key_sums(x, axis, *, inclusive: bool, exact: bool):
-    """Per key of a tile, the sum of x over the keys up to it (`inclusive`, for dz) or right of
-    it (strict suffix, for A), along the key axis `axis`.
+def _key_sums(x, axis, *, keys: str, exact: bool):
+    """Per key j of a tile, the sum of x over the keys m along the key axis `axis` with m <= j
+    (`keys="up_to"`, for dz), m >= j ("from") or m > j ("after"; both for A).
 
     As products with a triangular 0/1 matrix: the lowering has no reverse cumsum, and rowsum -
     cumsum errs by eps * rowsum (most where A is largest, at the diagonal; several times the
@@ -154,11 +164,11 @@ def _key_sums(x, axis, *, inclusive: bool, exact: bool):
     16-bit inputs: on the tensor cores in fp16, x split into hi + lo (22 bits). The scans cost
     more (H100, 2x8192x16x128: the forward 9 %; the backward 5.5 %, and only once a kernel has no
     scan left: replacing one of its two scans made it slower, +4 to +18 %)."""
-    if exact and inclusive:
+    if exact and keys == "up_to":
         return jnp.cumsum(x, axis=axis)
     n = x.shape[axis]
     m, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-    counts = (m <= j) if inclusive else (m > j)  # [m, j]: key m counts for key j
+    counts = {"up_to": m <= j, "from": m >= j, "after": m > j}[keys]  # [m, j]: key m counts for key j
     dims = (((1,), (0,)), ((), ()))
     if exact:
         parts, dtype, precision = (x,), x.dtype, jax.lax.Precision.HIGHEST
@@ -176,7 +186,7 @@ def _dz(a, da, sigma, valid, g_left, axis, st: _Static):
     """(dz, g) of one tile: g = A dA, dz = g - sigma (g_left + g summed up to the key, inclusive),
     where g_left holds drem rem + the g of the keys left of the tile."""
     g = a * da
-    dz = g - sigma * (g_left + _key_sums(g, axis, inclusive=True, exact=not st.fast))
+    dz = g - sigma * (g_left + _key_sums(g, axis, keys="up_to", exact=not st.fast))
     if valid is not None:
         dz = jnp.where(valid, dz, 0.0)
     return dz, g
@@ -434,6 +444,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
     group = num_heads // num_kv_heads
     blocks = st.blocks
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    dkdv_params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages_dkdv or blocks.num_stages)
     bq, bk = blocks.block_q, blocks.block_k
     num_k_blocks = seq_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
@@ -471,7 +482,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
                   boundary_group_spec, boundary_group_spec, *side_specs],
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
+        compiler_params=dkdv_params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
     )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums),
       *side_args)
     return dq, dk, dv, ddecay

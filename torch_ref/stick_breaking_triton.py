@@ -7,6 +7,16 @@ All log-space math is fp32; A is rounded to v.dtype for the A v product (fp32 ac
 softplus(z) = max(z, 0) + t and log sigmoid(z) = min(z, 0) - t with t = log1p(exp(-|z|)) (an
 accurate log1p: tl has none).
 
+16-bit inputs (BASE2, derived in each kernel from q's dtype): the tiles are bound by elementwise
+transcendental work, so every log-space quantity is kept in base 2 instead: z2 = z log2(e),
+t = log2(1 + 2^-|z2|), sp2 = max(z2, 0) + t = sp / ln 2, log2 beta = min(z2, 0) - t; the running
+sums (c, the suffix sums, the stored CB) are in log2 units and A, sigma, rem are 2^(...). Compiled,
+exp2 / log2 are single MUFU instructions (ex2 / lg2.approx.ftz.f32, inline PTX; tl.log is
+libdevice's exact logf, a long ALU sequence). lg2.approx errs <= 2^-22.6 absolute on [1, 2] and
+rounding 1 + x <= 2^-24 per key, far below what a 16-bit output resolves. Under the interpreter
+(no inline asm) tl.exp2 / tl.log2 stand in, so the CPU tests still run the base-2 units. Gradients
+(dz, g, the prefix sums) are unit-free. fp32 inputs keep the exact natural-log path.
+
 Forward (one program per query tile, head, batch row): walk the key blocks from the diagonal
 leftwards; `c` is the sum of sp over the keys already walked (to the right). Per tile the strict
 suffix sum along the keys is cumsum(sp, reverse) - sp (not rowsum - cumsum: that one carries an
@@ -117,6 +127,49 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBrea
 # ----------------------------------------------------------------------------------------------
 # Device helpers
 # ----------------------------------------------------------------------------------------------
+_LOG2E = tl.constexpr(1.4426950408889634)
+_PTX = tl.constexpr(not INTERPRETED)  # inline PTX runs only in compiled kernels
+
+
+@triton.jit
+def _ex2_approx(x):
+    """2^x in one MUFU instruction, flush-to-zero (harmless for A, sigma, rem). Triton 3.6 lowers
+    tl.exp2 to the same instruction; written out like `_lg2_approx` so that it cannot change."""
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _lg2_approx(x):
+    """log2(x) in one MUFU instruction; x in (1, 2] here. (tl.log2 lowers to libdevice's exact
+    log2f, about 30 ALU instructions.)"""
+    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _exp(x, BASE2: tl.constexpr):
+    """exp in the kernel's log units: 2^x for 16-bit inputs (BASE2), e^x for fp32."""
+    if BASE2:
+        if _PTX:
+            y = _ex2_approx(x)
+        else:
+            y = tl.exp2(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _log2(x):
+    """log2 for the BASE2 path (the exact path uses `_log1p`)."""
+    if _PTX:
+        y = _lg2_approx(x)
+    else:
+        y = tl.log2(x)
+    return y
+
+
 @triton.jit
 def _log1p(e):
     """log(1 + e) for e >= 0 without losing e where 1 + e rounds (Goldberg's correction:
@@ -127,18 +180,28 @@ def _log1p(e):
 
 
 @triton.jit
-def _softplus_logsigmoid(z):
-    """(softplus(z), log sigmoid(z)) in fp32, stable for any z: t = log1p(exp(-|z|)) in (0, ln 2],
+def _softplus_logsigmoid(z, BASE2: tl.constexpr):
+    """(softplus(z), log sigmoid(z)) in fp32 and the kernel's log units, stable for any z:
+    t = log1p(exp(-|z|)) in (0, ln 2] (BASE2: z and the results in log2 units, t = log2(1 + 2^-|z|)
+    in (0, 1], where 1 + x rounding away a tiny x costs <= 2^-24 absolute: no log1p correction),
     softplus = max(z, 0) + t, log sigmoid = min(z, 0) - t."""
-    t = _log1p(tl.exp(-tl.abs(z)))
+    if BASE2:
+        t = _log2(1.0 + _exp(-tl.abs(z), BASE2))
+    else:
+        t = _log1p(tl.exp(-tl.abs(z)))
     return tl.maximum(z, 0.0) + t, tl.minimum(z, 0.0) - t
 
 
 @triton.jit
-def _logits(qk, scale, lam, rows, cols, HAS_DECAY: tl.constexpr):
-    """z = scale * q.k - lambda * (i - j); rows, cols are pre-broadcast index tiles."""
+def _logits(qk, scale, lam, rows, cols, HAS_DECAY: tl.constexpr, BASE2: tl.constexpr):
+    """z = scale * q.k - lambda * (i - j), times log2(e) when BASE2; rows, cols are pre-broadcast
+    index tiles."""
+    if BASE2:
+        scale = scale * _LOG2E
     z = qk * scale
     if HAS_DECAY:
+        if BASE2:
+            lam = lam * _LOG2E
         z = z - lam * (rows - cols).to(tl.float32)
     return z
 
@@ -151,7 +214,7 @@ def _fwd_inner(acc, c, q, q2, k_base, v_base, kp_base, sks, skd, svs, svd, skp_s
                offs_n, offs_d, offs_h, d_ok, h_ok, S, scale, blk_top, n_blk,
                BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                DIAG: tl.constexpr, HAS_DECAY: tl.constexpr, ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, BASE2: tl.constexpr):
     """Key blocks blk_top - 1 down to blk_top - n_blk. DIAG: tiles that need the element mask j < i
     (and bounds checks on the keys); otherwise every key of the tile precedes every row."""
     for t in range(0, n_blk):
@@ -167,14 +230,14 @@ def _fwd_inner(acc, c, q, q2, k_base, v_base, kp_base, sks, skd, svs, svd, skp_s
             kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
             qk = tl.dot(q, kT, input_precision=PRECISION)
         v = _load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, DIAG, CHECK_D)
-        z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY)
-        sp, log_beta = _softplus_logsigmoid(z)
+        z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY, BASE2)
+        sp, log_beta = _softplus_logsigmoid(z, BASE2)
         if DIAG:
             valid = cols[None, :] < rows[:, None]
             sp = tl.where(valid, sp, 0.0)
         rs = tl.sum(sp, axis=1)
         suffix = tl.cumsum(sp, axis=1, reverse=True) - sp  # sum_{j<m<i} within the tile
-        a = tl.exp(log_beta - c[:, None] - suffix)
+        a = _exp(log_beta - c[:, None] - suffix, BASE2)
         if DIAG:
             a = tl.where(valid, a, 0.0)
             v = tl.where((cols < m_last)[:, None], v, 0.0)  # keys no row of the tile sees: keep 0 * NaN out
@@ -197,6 +260,7 @@ def _sb_fwd_kernel(Q, K, V, O, REM, DECAY, THETA, QPOS, KPOS,
     b = tl.program_id(2).to(tl.int64)
     hk = (h // GROUP).to(tl.int64)
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    BASE2: tl.constexpr = Q.dtype.element_ty != tl.float32  # 16-bit inputs: log2 units (module doc)
     HALF: tl.constexpr = HEAD_DIM // 2
     CHECK_H: tl.constexpr = BLOCK_H != HALF
 
@@ -226,14 +290,14 @@ def _sb_fwd_kernel(Q, K, V, O, REM, DECAY, THETA, QPOS, KPOS,
     n_left = tl.minimum(m0 // BLOCK_N, n_hi)
     acc, c = _fwd_inner(acc, c, q, q2, k_base, v_base, kp_base, sks, skd, svs, svd, skps, theta, lam, rows, m_last,
                         offs_n, offs_d, offs_h, d_ok, h_ok, S, scale, n_hi, n_hi - n_left, BLOCK_N, HALF, CHECK_D,
-                        CHECK_H, True, HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION)
+                        CHECK_H, True, HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION, BASE2)
     acc, c = _fwd_inner(acc, c, q, q2, k_base, v_base, kp_base, sks, skd, svs, svd, skps, theta, lam, rows, m_last,
                         offs_n, offs_d, offs_h, d_ok, h_ok, S, scale, n_left, n_left, BLOCK_N, HALF, CHECK_D,
-                        CHECK_H, False, HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION)
+                        CHECK_H, False, HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION, BASE2)
 
     tl.store(O + b * sob + h * soh + rows[:, None] * sos + offs_d[None, :] * sod, acc.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(REM + (b * Hq + h) * S + rows, tl.exp(-c), mask=m_ok)
+    tl.store(REM + (b * Hq + h) * S + rows, _exp(-c, BASE2), mask=m_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,7 +308,7 @@ def _dq_prepass(c, q, q2, k_base, kp_base, cb_base, sks, skd, skp_s, theta, lam,
                 d_ok, h_ok, S, s64, scale, blk_top, n_blk,
                 BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                 DIAG: tl.constexpr, HAS_DECAY: tl.constexpr, ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, BASE2: tl.constexpr):
     """Pass 1, key blocks blk_top - 1 down to blk_top - n_blk (as the forward walks): store the sum
     of softplus over the keys right of each block, CB[blk, rows] = c, then add the block."""
     for t in range(0, n_blk):
@@ -259,8 +323,8 @@ def _dq_prepass(c, q, q2, k_base, kp_base, cb_base, sks, skd, skp_s, theta, lam,
         else:
             kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
             qk = tl.dot(q, kT, input_precision=PRECISION)
-        z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY)
-        sp, _ = _softplus_logsigmoid(z)
+        z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY, BASE2)
+        sp, _ = _softplus_logsigmoid(z, BASE2)
         if DIAG:
             sp = tl.where(cols[None, :] < rows[:, None], sp, 0.0)
         tl.store(cb_base + blk * s64 + rows, c, mask=m_ok)
@@ -273,7 +337,7 @@ def _dq_inner(dq, dq2, ddec, p_run, q, q2, do, k_base, v_base, kp_base, cb_base,
               theta, lam, rows, m_ok, m_last, offs_n, offs_d, offs_h, d_ok, h_ok, S, s64, scale, blk_lo, blk_hi,
               BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
               DIAG: tl.constexpr, HAS_DECAY: tl.constexpr, DECAY_GRAD: tl.constexpr, ROPE: tl.constexpr,
-              ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+              ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, BASE2: tl.constexpr):
     """Pass 2, key blocks blk_lo .. blk_hi - 1 left to right. p_run: the prefix sum of g over the
     keys left of the block plus drem * rem (stored as PB[blk, rows] for the dK/dV kernel).
     With ROPE, (q, q2) and (dq, dq2) are the pair halves (rotated q; gradient w.r.t. it)."""
@@ -290,19 +354,19 @@ def _dq_inner(dq, dq2, ddec, p_run, q, q2, do, k_base, v_base, kp_base, cb_base,
             qk = tl.dot(q, kT, input_precision=PRECISION)
         vT = _load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, DIAG)
         c = tl.load(cb_base + blk * s64 + rows, mask=m_ok, other=0.0)
-        z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY)
-        sp, log_beta = _softplus_logsigmoid(z)
+        z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY, BASE2)
+        sp, log_beta = _softplus_logsigmoid(z, BASE2)
         if DIAG:
             valid = cols[None, :] < rows[:, None]
             sp = tl.where(valid, sp, 0.0)
         suffix = tl.cumsum(sp, axis=1, reverse=True) - sp
-        a = tl.exp(log_beta - c[:, None] - suffix)
+        a = _exp(log_beta - c[:, None] - suffix, BASE2)
         da = tl.dot(do, vT, input_precision=PRECISION)  # dO_i . v_j
         g = a * da
         if DIAG:
             g = tl.where(valid, g, 0.0)
         prefix = p_run[:, None] + tl.cumsum(g, axis=1)  # sum_{m <= j} g_im + drem_i rem_i
-        dz = g - tl.exp(log_beta) * prefix
+        dz = g - _exp(log_beta, BASE2) * prefix
         if DIAG:
             dz = tl.where(valid, dz, 0.0)
             col_ok = cols < m_last  # keys no row of the tile sees: keep 0 * NaN out of dQ
@@ -335,6 +399,7 @@ def _sb_bwd_dq_kernel(Q, K, V, DO, P0, DQ, DDEC, CB, PB, DECAY, THETA, QPOS, KPO
     b = tl.program_id(2).to(tl.int64)
     hk = (h // GROUP).to(tl.int64)
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    BASE2: tl.constexpr = Q.dtype.element_ty != tl.float32  # 16-bit inputs: log2 units (module doc)
     HALF: tl.constexpr = HEAD_DIM // 2
     CHECK_H: tl.constexpr = BLOCK_H != HALF
 
@@ -373,10 +438,10 @@ def _sb_bwd_dq_kernel(Q, K, V, DO, P0, DQ, DDEC, CB, PB, DECAY, THETA, QPOS, KPO
     c = tl.zeros([BLOCK_M], dtype=tl.float32)
     c = _dq_prepass(c, q, q2, k_base, kp_base, cb_base, sks, skd, skps, theta, lam, rows, m_ok, offs_n, offs_d,
                     offs_h, d_ok, h_ok, S, s64, scale, n_hi, n_hi - n_left, BLOCK_N, HALF, CHECK_D, CHECK_H, True,
-                    HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION)
+                    HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION, BASE2)
     c = _dq_prepass(c, q, q2, k_base, kp_base, cb_base, sks, skd, skps, theta, lam, rows, m_ok, offs_n, offs_d,
                     offs_h, d_ok, h_ok, S, s64, scale, n_left, n_left, BLOCK_N, HALF, CHECK_D, CHECK_H, False,
-                    HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION)
+                    HAS_DECAY, ROPE, ROPE_INTERLEAVED, PRECISION, BASE2)
     tl.debug_barrier()  # pass 2 reads CB rows that other threads of the program wrote
     # Pass 2 (left to right): gradients, with the prefix sums of g running from the left.
     if HAS_P0:
@@ -387,11 +452,11 @@ def _sb_bwd_dq_kernel(Q, K, V, DO, P0, DQ, DDEC, CB, PB, DECAY, THETA, QPOS, KPO
     dq, dq2, ddec, p_run = _dq_inner(dq, dq2, ddec, p_run, q, q2, do, k_base, v_base, kp_base, cb_base, pb_base, sks,
                                      skd, svs, svd, skps, theta, lam, rows, m_ok, m_last, offs_n, offs_d, offs_h, d_ok,
                                      h_ok, S, s64, scale, 0, n_left, BLOCK_N, HALF, CHECK_D, CHECK_H, False,
-                                     HAS_DECAY, DECAY_GRAD, ROPE, ROPE_INTERLEAVED, PRECISION)
+                                     HAS_DECAY, DECAY_GRAD, ROPE, ROPE_INTERLEAVED, PRECISION, BASE2)
     dq, dq2, ddec, p_run = _dq_inner(dq, dq2, ddec, p_run, q, q2, do, k_base, v_base, kp_base, cb_base, pb_base, sks,
                                      skd, svs, svd, skps, theta, lam, rows, m_ok, m_last, offs_n, offs_d, offs_h, d_ok,
                                      h_ok, S, s64, scale, n_left, n_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True,
-                                     HAS_DECAY, DECAY_GRAD, ROPE, ROPE_INTERLEAVED, PRECISION)
+                                     HAS_DECAY, DECAY_GRAD, ROPE, ROPE_INTERLEAVED, PRECISION, BASE2)
     if ROPE:
         _store_unrotated(DQ + b * sdqb + h * sdqh, rows, m_ok, sdqs, sdqd, dq * scale, dq2 * scale,
                          QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
@@ -411,7 +476,7 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_bas
                 theta, lam, n0, cols, offs_m, offs_d, offs_h, d_ok, h_ok, S, scale, blk_lo, blk_hi,
                 BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                 MASKED: tl.constexpr, HAS_DECAY: tl.constexpr, ROPE: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, BASE2: tl.constexpr):
     """Query tiles blk_lo .. blk_hi - 1. Tiles are transposed ([keys, rows]) so that dK, dV
     accumulate as [BLOCK_N, D]; the sums along the keys run over axis 0. MASKED: the element mask
     j < i and the bounds checks on the rows (diagonal tiles, the ragged end); otherwise every row
@@ -436,13 +501,13 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_bas
         else:
             c = tl.load(cb_base + rows)
             p0 = tl.load(pb_base + rows)
-        zT = _logits(qk, scale, lam, rows[None, :], cols[:, None], HAS_DECAY)
-        spT, log_betaT = _softplus_logsigmoid(zT)
+        zT = _logits(qk, scale, lam, rows[None, :], cols[:, None], HAS_DECAY, BASE2)
+        spT, log_betaT = _softplus_logsigmoid(zT, BASE2)
         if MASKED:
             validT = (cols[:, None] < rows[None, :]) & m_ok[None, :]
             spT = tl.where(validT, spT, 0.0)
         suffixT = tl.cumsum(spT, axis=0, reverse=True) - spT
-        aT = tl.exp(log_betaT - c[None, :] - suffixT)
+        aT = _exp(log_betaT - c[None, :] - suffixT, BASE2)
         if MASKED:
             aT = tl.where(validT, aT, 0.0)
         daT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -451,7 +516,7 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_bas
             gT = tl.where(validT, gT, 0.0)
         dv = tl.dot(aT.to(do.dtype), do, dv, input_precision=PRECISION)  # A is dead after this
         prefixT = p0[None, :] + tl.cumsum(gT, axis=0)
-        dzT = gT - tl.exp(log_betaT) * prefixT
+        dzT = gT - _exp(log_betaT, BASE2) * prefixT
         q = tl.trans(qT)
         if ROPE:
             q2 = tl.trans(qT2)
@@ -481,6 +546,7 @@ def _sb_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, CB, PB, DECAY, THETA, QPOS, KPOS,
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    BASE2: tl.constexpr = Q.dtype.element_ty != tl.float32  # 16-bit inputs: log2 units (module doc)
     HALF: tl.constexpr = HEAD_DIM // 2
     CHECK_H: tl.constexpr = BLOCK_H != HALF
 
@@ -529,15 +595,15 @@ def _sb_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, CB, PB, DECAY, THETA, QPOS, KPOS,
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_base, sqs, sqd, sdos,
                                   sdod, sqps, theta, lam, n0, cols, offs_m, offs_d, offs_h, d_ok, h_ok, S, scale,
                                   q_lo, q_int, BLOCK_M, HALF, CHECK_D, CHECK_H, True, HAS_DECAY, ROPE,
-                                  ROPE_INTERLEAVED, PRECISION)
+                                  ROPE_INTERLEAVED, PRECISION, BASE2)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_base, sqs, sqd, sdos,
                                   sdod, sqps, theta, lam, n0, cols, offs_m, offs_d, offs_h, d_ok, h_ok, S, scale,
                                   q_int, q_full, BLOCK_M, HALF, CHECK_D, CHECK_H, False, HAS_DECAY, ROPE,
-                                  ROPE_INTERLEAVED, PRECISION)
+                                  ROPE_INTERLEAVED, PRECISION, BASE2)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_base, sqs, sqd, sdos,
                                   sdod, sqps, theta, lam, n0, cols, offs_m, offs_d, offs_h, d_ok, h_ok, S, scale,
                                   q_full, q_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, True, HAS_DECAY, ROPE,
-                                  ROPE_INTERLEAVED, PRECISION)
+                                  ROPE_INTERLEAVED, PRECISION, BASE2)
 
     mask = n_ok[:, None] & d_ok[None, :]
     if ROPE:
