@@ -100,12 +100,12 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBrea
 
     The tiles hold more live fp32 [rows, keys] temporaries than the softmax kernels (z, softplus,
     log sigmoid, suffix sums, A; in the backward also g, the prefix sums and dz), so register
-    pressure sets the sizes. Checked by compiling for sm_90a on a machine without a GPU (Triton 3.9,
-    ptxas -v, with RoPE and a learnable decay, the heaviest variant): the 16-bit choices compile
-    without register spills except the dQ kernel at head dim <= 64 (68 bytes) and both backward
-    kernels at head dim 256 (about 1 KB); fp32 (IEEE dots, no tensor cores) spills from 40 bytes
-    to 1 KB in most kernels, its tiles are kept small. The interpreter gets small tiles so that
-    the CPU tests stay fast.
+    pressure sets the sizes. Compiled for sm_90a on a machine without a GPU (ptxas -v, RoPE style
+    "half", learnable decay; rechecked with the base-2 math, Triton 3.9): the 16-bit kernels spill
+    in dQ at head dim 128 (about 1.4 KB stored) and 256 (0.4 KB), and in the forward (56 bytes)
+    and dK/dV (0.6 KB) at head dim 256 only; fp32 (IEEE dots, no tensor cores) keeps small tiles
+    (Triton 3.6, head dim 128: only dK/dV spills, 36 bytes). The interpreter gets small tiles so
+    that the CPU tests stay fast.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if not on_gpu:
