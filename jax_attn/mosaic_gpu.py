@@ -335,24 +335,28 @@ class _Rotary:
     with few); cos and sin are computed once per pair (angle addition) and spread over its two
     columns by moving registers."""
 
-    def __init__(self, style: str, base_ref, delta_ref, delta_smem, ready, base_smem, base_ready):
-        self.style, self.base_ref, self.delta_ref, self.delta_smem, self.ready = (
-            style, base_ref, delta_ref, delta_smem, ready)
-        self.base_smem, self.base_ready = base_smem, base_ready
+    def __init__(self, style: str, base_ref, delta_ref, smem, barriers):
+        """smem, barriers: what `scratch` allocated."""
+        self.style, self.base_ref, self.delta_ref = style, base_ref, delta_ref
+        (self.delta_smem, self.base_smem), (ready, self.base_ready) = smem, barriers
+        self.ready = ready.at[0]
 
     @staticmethod
     def scratch(head_dim: int):
-        """(delta table, the two compute warpgroups' base rows), their barriers (`ready` is the
-        caller's)."""
+        """(delta table, the two compute warpgroups' base rows), their barriers."""
         return ((_smem((2, ROPE_ROWS, head_dim // 2), jnp.float32), plgpu.SMEM((2, 2, 1, head_dim // 2), jnp.float32)),
-                plgpu.Barrier(num_barriers=2))
+                (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2)))
 
     def fetch(self):
         plgpu.copy_gmem_to_smem(self.delta_ref, self.delta_smem, self.ready)
 
+    def copy_base(self, block, dst, barrier):
+        """The base rows of the 64-row blocks from `block` on ([2, blocks, D/2] `dst`), by TMA."""
+        plgpu.copy_gmem_to_smem(self.base_ref.at[:, pl.ds(block, dst.shape[1])], dst, barrier)
+
     def prefetch(self, wg, block):
-        """Warpgroup wg's base rows, of 64-row block `block`, by TMA."""
-        plgpu.copy_gmem_to_smem(self.base_ref.at[:, pl.ds(block, 1)], self.base_smem.at[wg], self.base_ready.at[wg])
+        """Warpgroup wg's base rows, of 64-row block `block`."""
+        self.copy_base(block, self.base_smem.at[wg], self.base_ready.at[wg])
 
     def own_base(self, wg):
         """What `prefetch` copied, once it landed (with the delta table): `base` for a 64-row tile."""
@@ -470,9 +474,7 @@ class _SharedKeys:
         @pl.when(self._local(t))
         def _():
             plgpu.copy_gmem_to_smem(self.k.at[self._keys(t)], dst, barrier)
-            rows = pl.ds(self._first_block(t), self.bkv // ROPE_ROWS)
-            plgpu.copy_gmem_to_smem(self.rotary.base_ref.at[:, rows], self.base.at[ring_slot],
-                                    self.base_ready.at[ring_slot])
+            self.rotary.copy_base(self._first_block(t), self.base.at[ring_slot], self.base_ready.at[ring_slot])
 
         pl.when(~self._local(t))(lambda: plgpu.copy_gmem_to_smem(self.k_rot.at[self._keys(t)], dst, barrier))
 
@@ -608,8 +610,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
     rotary = shared = None
     if tables:
         flags_ref, o_ref, lse_ref, k_rot_ref, *q_rot_ref = outputs
-        (q_smem, (delta_smem, base_smem), shared_smem), (own_ready, base_ready, shared_barriers) = own
-        rotary = _Rotary(spec.rope.style, *tables, delta_smem, own_ready.at[2], base_smem, base_ready)
+        (q_smem, rotary_smem, shared_smem), (own_ready, rotary_barriers, shared_barriers) = own
+        rotary = _Rotary(spec.rope.style, *tables, rotary_smem, rotary_barriers)
         shared = functools.partial(_SharedKeys, rotary, k_ref, k_rot_ref, flags_ref, shared_smem, shared_barriers)
     else:
         (o_ref, lse_ref), ((q_smem,), own_ready), q_rot_ref = outputs, own, ()
@@ -671,8 +673,8 @@ def _backward_own(own, tables, spec: AttentionSpec):
     """A backward kernel's own scratch -> (its two tiles, their barriers, the rotary or None)."""
     if not tables:
         return (*own, None)
-    (*tiles, (delta_smem, base_smem)), (ready, delta_ready, base_ready) = own
-    return tiles, ready, _Rotary(spec.rope.style, *tables, delta_smem, delta_ready.at[0], base_smem, base_ready)
+    (*tiles, rotary_smem), (ready, rotary_barriers) = own
+    return tiles, ready, _Rotary(spec.rope.style, *tables, rotary_smem, rotary_barriers)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
@@ -871,15 +873,15 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
     batch, q_pad, num_heads, head_dim = q.shape
     kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
     own_smem = (_smem((2, blocks.block_q, head_dim), q.dtype),)
-    own_ready = plgpu.Barrier(num_barriers=3)
+    own_ready = plgpu.Barrier(num_barriers=2)  # each compute warpgroup's q tile
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
     args = (q, k, v)
     if spec.rope is not None:
         flags = jax.new_ref(jnp.zeros((batch, k.shape[2], k.shape[1] // blocks.block_kv, FLAG_WORDS), jnp.int32))
         args += (*rope, flags)
         shared_smem, shared_barriers = _SharedKeys.scratch(blocks.stages, blocks.block_kv, head_dim)
-        rotary_smem, base_ready = _Rotary.scratch(head_dim)
-        own_smem, own_ready = own_smem + (rotary_smem, shared_smem), (own_ready, base_ready, shared_barriers)
+        rotary_smem, rotary_barriers = _Rotary.scratch(head_dim)
+        own_smem, own_ready = own_smem + (rotary_smem, shared_smem), (own_ready, rotary_barriers, shared_barriers)
         out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype),) + (jax.ShapeDtypeStruct(q.shape, q.dtype),) * rotated
     sizes = dict(heads=num_heads, q_tiles=q_pad // blocks.q_tile, batch=batch)
     names = FORWARD_GRID if spec.rope is None else ROPE_FORWARD_GRID
@@ -907,8 +909,8 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
         smem, ready = (_smem((2, rows, head_dim), dtype),) * 2, plgpu.Barrier(num_barriers=4)
         if not tables:
             return smem, ready
-        rotary_smem, base_ready = _Rotary.scratch(head_dim)
-        return smem + (rotary_smem,), (ready, plgpu.Barrier(num_barriers=1), base_ready)
+        rotary_smem, rotary_barriers = _Rotary.scratch(head_dim)
+        return smem + (rotary_smem,), (ready, rotary_barriers)
     dk, dv = _launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
                      (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (num_kv_heads, kv_pad // (2 * bkv), batch),
                      ("heads", "k_tiles", "batch"), own(bkv, k.dtype),
