@@ -472,6 +472,7 @@ GPU_CASES = [
     SBCase(1, 2048, 4, 1, 128, F16, decay="scalar", rem_grad=True),
     SBCase(1, 1000, 4, 2, 96, BF16, decay="heads", rope="half", pos="pair", rem_grad=True),  # ragged, padded D
     SBCase(1, 1024, 4, 2, 64, F32, decay="heads", rope="half", rem_grad=True),  # IEEE fp32 dots
+    SBCase(1, 1024, 4, 2, 256, BF16, decay="heads", rope="interleaved", rem_grad=True),  # the largest tiles' spills
 ]
 
 

@@ -96,16 +96,17 @@ class StickBreakingConfig:
 
 
 def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBreakingConfig:
-    """Heuristic on head dim and element size; not tuned by timing yet.
+    """16-bit tiles chosen by timing on an H100 (bf16, 2x8192x16xD, per-head decay; session 9,
+    `benchmarks/results/torch-sb-sweep-s9-2026-11-22.txt`); fp32 tiles by register pressure only.
 
-    The tiles hold more live fp32 [rows, keys] temporaries than the softmax kernels (z, softplus,
-    log sigmoid, suffix sums, A; in the backward also g, the prefix sums and dz), so register
-    pressure sets the sizes. Compiled for sm_90a on a machine without a GPU (ptxas -v, RoPE style
-    "half", learnable decay; rechecked with the base-2 math, Triton 3.9): the 16-bit kernels spill
-    in dQ at head dim 128 (about 1.4 KB stored) and 256 (0.4 KB), and in the forward (56 bytes)
-    and dK/dV (0.6 KB) at head dim 256 only; fp32 (IEEE dots, no tensor cores) keeps small tiles
-    (Triton 3.6, head dim 128: only dK/dV spills, 36 bytes). The interpreter gets small tiles so
-    that the CPU tests stay fast.
+    Head dim 128: forward+backward 54.6 -> about 18 ms without RoPE (forward 7.1 -> 4.0), 315 ->
+    73 ms with RoPE; head dim 64 and 256 gained as much or more. 4 warps beat 8 everywhere, and
+    the RoPE forward at 128 keeps 32-key tiles (64 keys ran 4.0 -> 3.8 ms without RoPE but 12.4 ->
+    17.0 with it). The tiles hold more live fp32 [rows, keys] temporaries than the softmax
+    kernels (z, softplus, log sigmoid, suffix sums, A; in the backward also g, the prefix sums and
+    dz): every 16-bit kernel runs at 244-255 registers a thread, and with RoPE and a learnable decay
+    they spill (ptxas -v, sm_90a, Triton 3.6): up to 1 KB a thread at head dim 128 (backward), 9.5 KB
+    (dQ) at 256. The interpreter gets small tiles so that the CPU tests stay fast.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if not on_gpu:
@@ -113,14 +114,14 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBrea
     wide = dtype == torch.float32
     # (block_m, block_n, warps, stages), (bwd_block_n, dq_block_m, dkdv_block_m, warps, stages)
     if block_d <= 64:
-        fwd = (64, 64, 8, 3) if not wide else (64, 32, 8, 2)
-        bwd = (64, 64, 32, 8, 2) if not wide else (32, 32, 32, 8, 2)
+        fwd = (64, 64, 4, 2) if not wide else (64, 32, 8, 2)
+        bwd = (64, 64, 32, 4, 2) if not wide else (32, 32, 32, 8, 2)
     elif block_d <= 128:
-        fwd = (64, 32, 8, 3) if not wide else (32, 32, 8, 2)
-        bwd = (32, 32, 32, 8, 2) if not wide else (32, 16, 16, 8, 2)
+        fwd = (64, 32, 4, 3) if not wide else (32, 32, 8, 2)
+        bwd = (64, 64, 32, 4, 2) if not wide else (32, 16, 16, 8, 2)
     else:  # 256
-        fwd = (32, 32, 8, 2) if not wide else (16, 32, 8, 1)
-        bwd = (32, 16, 16, 8, 1) if not wide else (16, 16, 16, 8, 1)
+        fwd = (64, 32, 4, 2) if not wide else (16, 32, 8, 1)
+        bwd = (32, 32, 32, 4, 2) if not wide else (16, 16, 16, 8, 1)
     return StickBreakingConfig(block_d, *fwd, *bwd)
 
 
