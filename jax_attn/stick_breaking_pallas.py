@@ -59,6 +59,10 @@ class StickBreakingBlocks:
             value = getattr(self, name)
             if value < MIN_BLOCK or value & (value - 1):
                 raise ValueError(f"StickBreakingBlocks.{name}={value} must be a power of two >= {MIN_BLOCK}")
+        for name in ("num_warps", "num_stages", "num_stages_dkdv"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"StickBreakingBlocks.{name}={value} must be >= 1")
 
     def fitted(self, seq_len: int) -> "StickBreakingBlocks":
         cap = pow2_at_least(seq_len)
@@ -444,7 +448,8 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
     group = num_heads // num_kv_heads
     blocks = st.blocks
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    dkdv_params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages_dkdv or blocks.num_stages)
+    dkdv_params = plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                       num_stages=blocks.num_stages_dkdv or blocks.num_stages)
     bq, bk = blocks.block_q, blocks.block_k
     num_k_blocks = seq_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))

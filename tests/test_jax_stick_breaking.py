@@ -145,6 +145,14 @@ def test_bad_shapes():
         Rope(style="neox")
 
 
+def test_bad_blocks():
+    from jax_attn import StickBreakingBlocks
+    with pytest.raises(ValueError, match=r"StickBreakingBlocks.block_k=48 must be a power of two"):
+        StickBreakingBlocks(64, 48)
+    with pytest.raises(ValueError, match=r"StickBreakingBlocks.num_stages_dkdv=0 must be >= 1"):
+        StickBreakingBlocks(num_stages_dkdv=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("shape, kw", [
