@@ -100,7 +100,8 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBrea
     `benchmarks/results/torch-sb-sweep-s9-2026-11-22.txt`); fp32 tiles by register pressure only.
 
     Head dim 128: forward+backward 54.6 -> about 18 ms without RoPE (forward 7.1 -> 4.0), 315 ->
-    73 ms with RoPE; head dim 64 and 256 gained as much or more. 4 warps beat 8 everywhere, and
+    73 ms with RoPE; head dim 64: 26 -> about 14; 256: forward 16.8 -> 5.1, and the backward's
+    tiles alone 122 -> 56 ms forward+backward (with RoPE 909 -> 792). 4 warps beat 8 everywhere, and
     the RoPE forward at 128 keeps 32-key tiles (64 keys ran 4.0 -> 3.8 ms without RoPE but 12.4 ->
     17.0 with it). The tiles hold more live fp32 [rows, keys] temporaries than the softmax
     kernels (z, softplus, log sigmoid, suffix sums, A; in the backward also g, the prefix sums and
