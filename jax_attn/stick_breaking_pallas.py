@@ -9,8 +9,8 @@ Forward, one program per (query block, batch, head): key blocks are walked from 
 leftwards; `c` carries the softplus sum of the keys already passed (to the right), and inside a
 tile the strict suffix sums are a triangular product (`_key_sums`). No max shift is needed:
 log A <= 0. For 16-bit inputs the logs are base 2, each transcendental one PTX instruction (the
-tile math is elementwise-bound). With RoPE each key block is rotated once per kv head, by the
-program whose diagonal holds it, and shared with the others through k_rot and flags (`keys`).
+tile math is elementwise-bound). With RoPE each key block is rotated once per query head, by the
+program whose diagonal holds it, and shared (once per kv head) through k_rot and flags (`keys`).
 
 Backward. With g_ij = A_ij (dO_i . v_j) and sigma = sigmoid(z):
   dz_ij = g_ij - sigma_ij (drem_i rem_i + sum_{m<=j} g_im),
@@ -226,7 +226,7 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, bet
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: bool):
+def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: bool, group: int):
     spec = st.spec
     _, _, tables, refs = _unpack(refs, spec)
     rope = spec.rope is not None
@@ -245,12 +245,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         _store_parts(q_rot_ref, q, spec, head_dim)
         _barrier(st)
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
+    # under GQA the kv head's first query head publishes (read outside the loops: the interpreter
+    # has no program id inside them)
+    publisher = pl.program_id(2) % group == 0 if group > 1 else None
 
     def keys(tile, block, masked):
-        """(q, k) of a tile. With RoPE each key tile is rotated once per kv head, not once per
-        query block: the program whose diagonal holds it rotates it (in feature parts) and
-        publishes it to k_rot (stores, barrier, flag: a split-K semaphore's release); the tiles
-        left of the diagonal are read from k_rot whole, after `after_diagonal`."""
+        """(q, k) of a tile. With RoPE each key tile is rotated once per query head, not once per
+        query block: the programs whose diagonal holds it rotate it (in feature parts), the kv
+        head's first query head publishes it to k_rot (stores, barrier, flag: a split-K
+        semaphore's release); the tiles left of the diagonal are read from k_rot whole, after
+        `after_diagonal`."""
         if not rope:
             return q, (k_ref[tile, :],)
         if not masked:
@@ -258,9 +262,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         # cos/sin rows loaded, not composed by `_rope_cos_sin`'s angle addition: this code is
         # ALU-bound (the addition took the forward from 5.5 to 6.2 ms, H100, 2x8192x16x128)
         k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), _rope_cos_sin(tables[1], tile), k_ref.dtype)
-        _store_parts(k_rot_ref, k, spec, head_dim, tile)
-        _barrier(st)  # every thread's stores precede the flag
-        _publish(flags_ref, block, st)
+
+        def publish():
+            _store_parts(k_rot_ref, k, spec, head_dim, tile)
+            _barrier(st)  # every thread's stores precede the flag
+            _publish(flags_ref, block, st)
+
+        if publisher is None:
+            publish()
+        else:  # the group's other query heads would store the same bytes
+            pl.when(publisher)(publish)
         return q, k
 
     def after_diagonal(full):
@@ -269,8 +280,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         1.07 of 3.36 ms, H100, 2x8192x16x128). Then polls the flags until key blocks [0, full)
         are published, and one acquire read: its value (> 0) bounds the loop over them, so none
         of their loads is issued before it (nor an iteration early by Triton's software
-        pipeliner). Each program publishes before it waits, and those it waits for precede it in
-        the launch order. The interpreter runs the programs one after another: published."""
+        pipeliner). A program publishes before it waits, and those it waits for precede it in the
+        launch order (query blocks vary fastest, query heads slowest: a kv head's first query head
+        comes first). The interpreter runs the programs one after another: published."""
         q_whole.append(q_rot_ref[...])
         if st.interpret:
             return full
@@ -340,7 +352,7 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
         out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                       jax.ShapeDtypeStruct(flags.shape, flags.dtype)]
     outs = pl.pallas_call(
-        functools.partial(_fwd_kernel, st=st, save_sums=save_sums),
+        functools.partial(_fwd_kernel, st=st, save_sums=save_sums, group=group),
         grid=(seq_pad // bq, batch, num_heads),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps,

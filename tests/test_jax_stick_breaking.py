@@ -158,7 +158,8 @@ def test_bad_blocks():
 @pytest.mark.parametrize("shape, kw", [
     ((2, 1024, 8, 2, 128), dict(decay=0.01)),
     ((1, 2048, 4, 4, 64), dict(rope=Rope(style="half"))),
-], ids=["gqa_d128", "rope_d64"])
+    ((1, 1024, 8, 2, 128), dict(rope=Rope(style="interleaved"), decay=0.01)),  # k_rot published per kv head
+], ids=["gqa_d128", "rope_d64", "rope_gqa_d128"])
 def test_gpu(dtype, shape, kw):
     assert jax.default_backend() == "gpu", "gpu tests need a GPU"
     check(shape, dtype=dtype, **kw)

@@ -134,19 +134,12 @@ _PTX = tl.constexpr(not INTERPRETED)  # inline PTX runs only in compiled kernels
 
 
 @triton.jit
-def _ex2_approx(x):
-    """2^x in one MUFU instruction, flush-to-zero (harmless for A, sigma, rem). Triton 3.6 lowers
-    tl.exp2 to the same instruction; written out like `_lg2_approx` so that it cannot change."""
-    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _lg2_approx(x):
-    """log2(x) in one MUFU instruction; x in (1, 2] here. (tl.log2 lowers to libdevice's exact
-    log2f, about 30 ALU instructions.)"""
-    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
+def _approx(x, INSTRUCTION: tl.constexpr):
+    """One MUFU instruction per element ("ex2" or "lg2", .approx.ftz.f32; ftz is harmless for A,
+    sigma, rem): tl.log2 lowers to libdevice's exact log2f, about 30 ALU instructions (tl.exp2
+    to ex2 in Triton 3.6, pinned here all the same)."""
+    return tl.inline_asm_elementwise(INSTRUCTION + ".approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
@@ -154,7 +147,7 @@ def _exp(x, BASE2: tl.constexpr):
     """exp in the kernel's log units: 2^x for 16-bit inputs (BASE2), e^x for fp32."""
     if BASE2:
         if _PTX:
-            y = _ex2_approx(x)
+            y = _approx(x, "ex2")
         else:
             y = tl.exp2(x)
     else:
@@ -166,7 +159,7 @@ def _exp(x, BASE2: tl.constexpr):
 def _log2(x):
     """log2 for the BASE2 path (the exact path uses `_log1p`)."""
     if _PTX:
-        y = _lg2_approx(x)
+        y = _approx(x, "lg2")
     else:
         y = tl.log2(x)
     return y
