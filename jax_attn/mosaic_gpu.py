@@ -218,12 +218,18 @@ def _partner_blocks(first, size: int, block: int, num: int, before, after, last_
     return lo, plain_lo, jnp.minimum(jnp.maximum(plain_hi, plain_lo), hi), hi
 
 
-def _walk(step, carry, blocks):
-    """Run step(t, carry, masked) over (lo, plain_lo, plain_hi, hi): masked edges, plain middle."""
+def _walk(step, carry, blocks, leftwards: bool = False):
+    """Run step(t, carry, masked) over (lo, plain_lo, plain_hi, hi): masked edges, plain middle;
+    `leftwards`: from hi - 1 down to lo."""
     lo, plain_lo, plain_hi, hi = blocks
-    carry = lax.fori_loop(lo, plain_lo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(plain_lo, plain_hi, functools.partial(step, masked=False), carry)
-    return lax.fori_loop(plain_hi, hi, functools.partial(step, masked=True), carry)
+    parts = ((lo, plain_lo, True), (plain_lo, plain_hi, False), (plain_hi, hi, True))
+    if not leftwards:
+        for a, b, masked in parts:
+            carry = lax.fori_loop(a, b, functools.partial(step, masked=masked), carry)
+        return carry
+    for a, b, masked in parts[::-1]:
+        carry = lax.fori_loop(0, b - a, lambda n, c, b=b, masked=masked: step(b - 1 - n, c, masked=masked), carry)
+    return carry
 
 
 # jax 0.10's plgpu.load requires an index argument; 0.11 makes it optional and deprecates it
@@ -545,16 +551,17 @@ def _register_split(producer: int) -> tuple[int, int]:
     return producer, (3 * 168 - producer) // 2 // 8 * 8
 
 
-def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, shared=None):
-    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi);
-    with `shared` (RoPE; `_SharedKeys` but for where this stream is), the K blocks come rotated,
-    the delta table's copy awaited before the first this CTA rotates."""
+def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, shared=None, leftwards=False):
+    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi)
+    (`leftwards`: from hi - 1 down); with `shared` (RoPE; `_SharedKeys` but for where this stream
+    is), the K blocks come rotated, the delta table's copy awaited before the first this CTA
+    rotates."""
     plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[0], action="decrease")
     prepare = None
     if shared is not None:
         prepare = shared(ring=ring, batch=batch, kv_head=kv_head, bkv=bkv, lo=lo)
         prepare.rotary.fetch()
-    keys = lambda u: (batch, pl.ds((lo + u) * bkv, bkv), kv_head)
+    keys = lambda u: (batch, pl.ds((hi - 1 - u if leftwards else lo + u) * bkv, bkv), kv_head)
     ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv, prepare)
 
 
@@ -568,13 +575,13 @@ def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
 
 
 def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
-                 spec: AttentionSpec, kv_len: int, group: int, shared=None):
+                 spec: AttentionSpec, kv_len: int, group: int, shared=None, leftwards: bool = False):
     """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
     compute warpgroup) and the producer streaming the key blocks they see. Runs
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
     first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
     the last key block holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys
-    come rotated (`_stream_kv`)."""
+    come rotated (`_stream_kv`); `leftwards`: the stream runs from stream_hi - 1 down."""
     ring = _Ring(*ring[:3], stages, *ring[3:])
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = _query_pair(q_ref, bq, spec)
@@ -592,7 +599,8 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
         compute(batch, head, wg, first, own_blocks, stream, ring)
 
     kv_head = lax.div(head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared))
+    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared,
+                                       leftwards))
 
 
 def _split_tables(refs, spec: AttentionSpec):

@@ -7,13 +7,14 @@ The kernels are in `stick_breaking_pallas`.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_attn import api
+from jax_attn import api, stick_breaking_mosaic
 from jax_attn.device import pallas_triton_unsupported_reason
 from jax_attn.rope import Rope, apply_rope
 from jax_attn.spec import AttentionSpec
@@ -48,7 +49,22 @@ def stick_breaking_reference(q, k, v, decay, spec: AttentionSpec, *, pos=None):
     return out, rem
 
 
-IMPLEMENTATIONS = {"pallas_triton": stick_breaking_pallas, "xla": stick_breaking_reference}
+IMPLEMENTATIONS = {
+    "pallas_triton": stick_breaking_pallas,
+    # the forward on the Hopper kernel (`stick_breaking_mosaic`), the backward on Pallas Triton's
+    "mosaic_gpu": functools.partial(stick_breaking_pallas, forward="mosaic_gpu"),
+    "xla": stick_breaking_reference,
+}
+
+
+def default_implementation(spec: AttentionSpec, head_dim: int, dtype) -> str:
+    """The rule for implementation=None: "mosaic_gpu" where its Hopper forward serves the call
+    (16-bit, head dim 33 to 128, no RoPE; faster than the Triton forward, `benchmarks/`), else
+    the engine's rule without a call (`api.default_implementation`: "pallas_triton" or "xla")."""
+    implementation = api.default_implementation()
+    if implementation == "pallas_triton" and stick_breaking_mosaic.unsupported_reason(spec, head_dim, dtype) is None:
+        return "mosaic_gpu"
+    return implementation
 
 
 def _check_decay(decay, num_heads, dtype):
@@ -87,8 +103,10 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
       rope: a `Rope`: q and k are rotated inside the kernels; positions int [B, S], default arange.
       return_remainder: also return rem [B, Hq, S] float32, the unspent stick 1 - sum_j A_ij
         (1 on row 0, which has no key; its output is 0). Differentiable.
-      implementation: None (the Pallas kernels where Pallas Triton runs, else "xla"),
-        "pallas_triton" or "xla" (plain jnp, [B, Hq, S, S] in memory).
+      implementation: None (`default_implementation`: "mosaic_gpu" where it serves the call,
+        else the Pallas Triton kernels where Pallas Triton runs, else "xla"), "pallas_triton",
+        "mosaic_gpu" (Hopper, 16-bit, head dim 33 to 128, no RoPE: the forward on a Mosaic GPU
+        kernel, the backward on Pallas Triton's) or "xla" (plain jnp, [B, Hq, S, S] in memory).
 
     Returns: out [B, S, Hq, D] in q.dtype, or (out, rem).
     """
@@ -100,16 +118,16 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
     pos, _ = api._check_rope(rope, positions, batch, seq_len, seq_len, head_dim)
     scale = api._check_positive("scale", scale)
     decay = _check_decay(decay, num_heads, q.dtype)
+    spec = AttentionSpec(scale=head_dim ** -0.5 if scale is None else scale, causal=True,
+                         precision=api._fp32_precision(q.dtype), rope=rope)
     if implementation is None:
-        implementation = api.default_implementation()
+        implementation = default_implementation(spec, head_dim, q.dtype)
     if implementation not in IMPLEMENTATIONS:
         raise NotImplementedError(
             f"unknown implementation={implementation!r}; choose one of {sorted(IMPLEMENTATIONS)} or None")
     if q.dtype == jnp.float64 and implementation != "xla":
         raise NotImplementedError(f"float64 inputs are served by implementation='xla' only, not {implementation!r}")
-    if implementation == "pallas_triton" and (reason := pallas_triton_unsupported_reason()):
-        raise NotImplementedError(f"implementation='pallas_triton' cannot serve this call: {reason}")
-    spec = AttentionSpec(scale=head_dim ** -0.5 if scale is None else scale, causal=True,
-                         precision=api._fp32_precision(q.dtype), rope=rope)
+    if implementation in ("pallas_triton", "mosaic_gpu") and (reason := pallas_triton_unsupported_reason()):
+        raise NotImplementedError(f"implementation={implementation!r} cannot serve this call: {reason}")
     out, rem = IMPLEMENTATIONS[implementation](q, k, v, decay, spec, pos=pos)
     return (out, rem) if return_remainder else out

@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax_attn.pallas_triton import (
     MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
     _side_specs_and_args, _store_parts, _unpack, rope_tables)
+from jax_attn import stick_breaking_mosaic
 from jax_attn.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least
 
 
@@ -88,6 +89,7 @@ class _Static:
     blocks: StickBreakingBlocks
     interpret: bool
     fast: bool  # 16-bit inputs: base-2 logs with single-MUFU exp2/log2 (see `_stick`)
+    mosaic: bool = False  # the forward on the Mosaic GPU kernel (`stick_breaking_mosaic`)
 
     @property
     def ptx(self) -> bool:  # the MUFU instructions themselves (`_approx`); the interpreter has none
@@ -325,6 +327,8 @@ def _publish(flags_ref, index, st: _Static):
 def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
     """-> out, rem, the softplus sums at the key-block boundaries when save_sums and, with RoPE,
     q and k rotated (the key tiles shared by the programs of a kv head, see `keys`)."""
+    if st.mosaic:
+        return stick_breaking_mosaic.stick_breaking_forward(q, k, v, decay, st.spec, save_sums=save_sums)
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
@@ -555,27 +559,41 @@ _stick_breaking.defvjp(_stick_breaking_fwd, _stick_breaking_bwd)
 
 
 def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
-                          blocks: StickBreakingBlocks | None = None, interpret: bool | None = None):
+                          blocks: StickBreakingBlocks | None = None, interpret: bool | None = None,
+                          forward: str = "pallas_triton"):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D], decay [Hq] fp32 (validated) -> (out, rem [B, Hq, S]).
 
     pos [B, S] int32 RoPE positions when spec.rope (None: arange). Pads D to a power of two and S to a tile
     multiple with zeros: padded keys sit right of every real row (never seen), padded rows are
-    sliced off and, with zero cotangents, add exactly zero to dK/dV.
+    sliced off and, with zero cotangents, add exactly zero to dK/dV. `forward="mosaic_gpu"`: the
+    forward on the Hopper kernel (`stick_breaking_mosaic`, which says what it serves), the
+    backward here (its tiles then keep block_k = 64, the forward's key-block boundaries).
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     batch, seq_len, _, head_dim = q.shape
     head_pad = padded_head_dim(spec, head_dim)
+    mosaic = forward == "mosaic_gpu"
+    if forward not in ("pallas_triton", "mosaic_gpu"):
+        raise ValueError(f"forward must be 'pallas_triton' or 'mosaic_gpu', got {forward!r}")
+    if mosaic and (reason := stick_breaking_mosaic.unsupported_reason(spec, head_dim, q.dtype)):
+        raise NotImplementedError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
     if blocks is None:
         blocks = default_stick_breaking_blocks(head_pad, interpret, q.dtype)
-    blocks = blocks.fitted(seq_len)
-    tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv)
+    if mosaic:  # S is padded to the forward's tile instead of fitting the tiles to S
+        if blocks.block_k != stick_breaking_mosaic.BLOCK:
+            raise ValueError(f"the Mosaic GPU forward stores its sums per {stick_breaking_mosaic.BLOCK} keys: "
+                             f"blocks.block_k must be {stick_breaking_mosaic.BLOCK}, got {blocks.block_k}")
+        tile = max(blocks.block_q, blocks.block_q_dkv, 2 * stick_breaking_mosaic.BLOCK)
+    else:
+        blocks = blocks.fitted(seq_len)
+        tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv)
     seq_pad = pl.cdiv(seq_len, tile) * tile
     qp = _pad_axis(_pad_head_dim(q, spec, head_pad, True), 1, seq_pad)
     kp = _pad_axis(_pad_head_dim(k, spec, head_pad, True), 1, seq_pad)
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
     decay_pad = _pad_axis(decay.astype(jnp.float32), 0, pow2_at_least(decay.shape[0]))
-    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2)
+    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2, mosaic=mosaic)
     out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]

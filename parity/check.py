@@ -3,8 +3,8 @@
 For every case of `parity.cases`: seeded NumPy inputs and cotangent go to both frameworks; the
 golden is the plain reference in float64 (torch eager; the JAX plain reference in float64 must agree
 with it to 1e-10, a check of its own); each implementation (JAX pallas_triton, JAX xla, torch triton,
-torch eager; on Hopper also JAX mosaic_gpu, for the cases it serves) is compared on out, lse, dq,
-dk, dv with the tolerance rule of `parity.tolerance`, the
+torch eager; on Hopper also JAX mosaic_gpu, for the cases it serves: for stick-breaking, its
+forward) is compared on out, lse, dq, dk, dv with the tolerance rule of `parity.tolerance`, the
 naive error being that of its own framework's plain reference in the compute dtype.
 Then the layer cases of `parity.layers` (variant "layers": Flax layers against their torch twins,
 every parameter gradient, a 20-step training run), through `check_layer_case`.
@@ -41,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
 import jax_attn  # noqa: E402
+from jax_attn import stick_breaking_mosaic  # noqa: E402
 import torch_ref  # noqa: E402
 from parity.cases import CASES, Case  # noqa: E402
 from parity.layers import LAYER_CASES, LayerCase, check_layer_case  # noqa: E402
@@ -122,8 +123,9 @@ def _golden_disagreement(a, b) -> float:
 def _mosaic_serves(case: Case) -> bool:
     """Whether implementation="mosaic_gpu" serves the case here, by the rule `flash_attention`
     applies (`mosaic_gpu.unsupported_reason`: device, dtype, head dim, features, RoPE positions)."""
-    if case.variant == "stick_breaking":
-        return False
+    if case.variant == "stick_breaking":  # its forward (`stick_breaking_mosaic`)
+        spec = jax_attn.AttentionSpec(scale=1.0, causal=True, rope=None if case.rope is None else jax_attn.Rope())
+        return stick_breaking_mosaic.unsupported_reason(spec, case.shape[5], jnp.dtype(case.dtype)) is None
     kw = case.call_kwargs()
     left, right = kw.get("window") or (None, None)
     spec = jax_attn.AttentionSpec(

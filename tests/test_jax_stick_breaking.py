@@ -33,13 +33,13 @@ def _run(arrays, dtype, decay, implementation, **kw):
     return [np.asarray(x, np.float64) for x in (out, rem, *grads)]
 
 
-def check(shape, dtype=jnp.float32, decay=0.0, seed=0, **kw):
+def check(shape, dtype=jnp.float32, decay=0.0, seed=0, implementation="pallas_triton", **kw):
     arrays = _draw(seed, *shape)
     with jax.enable_x64(True), jax.default_matmul_precision("highest"):
         golden = _run(arrays, jnp.float64, decay, "xla", **kw)
     with jax.default_matmul_precision("highest"):
         naive = _run(arrays, dtype, decay, "xla", **kw)
-        fast = _run(arrays, dtype, decay, "pallas_triton", **kw)
+        fast = _run(arrays, dtype, decay, implementation, **kw)
     for name, f, n, g in zip(NAMES, fast, naive, golden):
         factor = FORWARD_FACTOR if name in ("out", "rem") else GRADIENT_FACTOR
         verdict = compare(f, n, g, NP_DTYPE[dtype], factor)
@@ -163,6 +163,67 @@ def test_bad_blocks():
 def test_gpu(dtype, shape, kw):
     assert jax.default_backend() == "gpu", "gpu tests need a GPU"
     check(shape, dtype=dtype, **kw)
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 2), (64, 1)])
+def test_mosaic_forward_lowers_for_cuda(head_dim, group):
+    """No interpreter runs Mosaic GPU kernels: the forward and its gradient (the Triton backward
+    reading the Mosaic forward's sums) are lowered for CUDA, which traces both kernels."""
+    from jax_attn.spec import AttentionSpec
+    from jax_attn.stick_breaking_pallas import _stick_breaking, _Static, default_stick_breaking_blocks
+
+    spec = AttentionSpec(scale=head_dim ** -0.5, causal=True)
+    st = _Static(spec, default_stick_breaking_blocks(head_dim, False, jnp.bfloat16), False, True, mosaic=True)
+    q = jax.ShapeDtypeStruct((2, 256, 2 * group, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, head_dim), jnp.bfloat16)
+    decay = jax.ShapeDtypeStruct((2 * group,), jnp.float32)
+    loss = lambda *a: sum(x.astype(jnp.float32).sum() for x in _stick_breaking(st, *a, None))
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, kv, kv, decay).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text and "stick_breaking_bwd_dkdv" in text
+
+
+@pytest.mark.parametrize("dtype, kw, match", [
+    (jnp.bfloat16, dict(rope=Rope()), "does not serve RoPE"),
+    (jnp.float32, {}, "float16 or bfloat16"),
+    (jnp.bfloat16, {}, "need a Hopper"),
+], ids=["rope", "fp32", "device"])
+def test_mosaic_refuses_what_it_does_not_serve(dtype, kw, match):
+    x = jnp.ones((1, 8, 4, 64), dtype)
+    with pytest.raises(NotImplementedError, match=match):
+        stick_breaking_attention(x, x, x, implementation="mosaic_gpu", **kw)
+
+
+def test_mosaic_default_rule_on_hopper(monkeypatch):
+    """implementation=None: "mosaic_gpu" where its forward serves the call on an sm90 GPU."""
+    import jax_attn
+    from jax_attn import mosaic_gpu
+    from jax_attn.spec import AttentionSpec
+    from jax_attn.stick_breaking import default_implementation
+
+    hopper = jax_attn.DeviceInfo("gpu", "NVIDIA H100 (pretended)", (9, 0), None, 132)
+    monkeypatch.setattr(mosaic_gpu, "device_info", lambda: hopper)
+    pick = lambda dtype=jnp.bfloat16, head_dim=128, rope=None: default_implementation(
+        AttentionSpec(scale=1.0, causal=True, rope=rope), head_dim, dtype)
+    assert pick() == pick(jnp.float16, 64) == pick(head_dim=40) == "mosaic_gpu"
+    assert pick(rope=Rope()) == pick(jnp.float32) == pick(head_dim=256) == pick(head_dim=32) == "pallas_triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape, kw", [
+    ((2, 1024, 8, 2, 128), dict(decay=0.01)),
+    ((1, 1000, 4, 1, 64), dict(decay=[0.0, 0.05, 0.2, 1.0])),  # ragged (padded to 1024), MQA, per-head decay
+    ((1, 300, 2, 2, 48), dict(decay=0.1)),                      # D padded to 64, 3 query tiles
+    ((1, 4096, 2, 2, 128), dict(decay=0.0)),                    # long rows: sums over 4095 keys
+    ((1, 1024, 4, 2, 64), dict(decay=0.0, scale=0.5)),          # sharp: logits ~ N(0, 4^2), sp up to ~30
+], ids=["gqa_d128", "ragged_mqa_d64", "d48", "long_no_decay", "sharp_logits"])
+def test_gpu_mosaic_forward(dtype, shape, kw):
+    """implementation="mosaic_gpu": the forward on the Hopper kernel (its in-tile sums of fp16
+    terms), the backward on the Triton engine's kernels reading its key-block sums."""
+    assert jax.default_backend() == "gpu", "gpu tests need a GPU"
+    kw = dict(kw, decay=np.asarray(kw["decay"]))
+    check(shape, dtype=dtype, implementation="mosaic_gpu", **kw)
 
 
 def _forward_at_tiles(seed, shape, decay, blocks, rope=None):

@@ -1,0 +1,131 @@
+"""The stick-breaking (ExpoSB) forward as a Pallas Mosaic GPU kernel for Hopper (sm90), in the frame
+of the softmax kernels (`mosaic_gpu`): two compute warpgroups of 64 query rows each, one producer
+warpgroup streaming the kv head's key blocks by TMA, the products on wgmma.
+
+Each warpgroup walks its key blocks from the diagonal leftwards (the producer streams them in that
+order), as the Triton forward (`stick_breaking_pallas`) does, in base-2 log space:
+  z = scale2 q.k - decay2 (i - j),  sp = softplus2(z) = max(z, 0) + log2(1 + 2^-|z|),
+  A = 2^((z - sp) - c - sum_{m>j} sp)   (c: the softplus sum of the keys right of the block),
+  o += A V,  c += rowsum(sp),  and at the end rem = 2^-c.
+The transcendentals are the approximate MUFU instructions (`approx_math`; lg2 directly, `_log2`).
+With `save_sums` it stores c at every key-block boundary ([B, H, key blocks, S], the layout the
+Triton backward reads), so its backward is the Triton engine's (`stick_breaking_pallas._bwd_call`).
+
+The in-tile suffix sums are one product with a triangular 0/1 matrix on the tensor cores, of sp
+rounded to fp16 (the Triton kernels add a second product for the rounding's remainder). Rounding
+errs by at most 2^-11 of each term, so a suffix sum S by at most 2^-11 S, and A's relative error is
+at most ln 2 2^-11 S = 3.4e-4 S, where A <= 2^-S (the strict suffix: the key's own term stays in
+fp32, in z - sp): at most 1.8e-4 of the stick. c and rem are fp32 row sums; the backward
+recomputes A with both products. The GPU tests hold it to the float64 golden under the tolerance
+rule (bf16 and fp16). The second product made the forward 1.19x slower (H100, 2x8192x16x128 bf16:
+1.66 -> 1.98 ms), mostly through register spills: the kernel is latency-bound, issuing in 40-46 %
+of the cycles, and spilled 8.7 M local loads even so (ncu).
+
+Serves 16-bit inputs, padded head dim 64 or 128, no RoPE (`unsupported_reason`). No interpreter
+runs it on CPU: the tests lower it for CUDA there and run it on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jax_attn import mosaic_gpu as mg
+from jax_attn.spec import LOG2E, AttentionSpec
+
+BLOCK = mg.WGMMA_ROWS  # query rows per compute warpgroup = keys per step = the backward's block_k
+STAGES = 3  # K, V slots in flight (a step is a quarter of the softmax forward's 128-key step)
+
+
+def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
+    """Why the Mosaic GPU stick-breaking forward cannot serve this call, or None if it can."""
+    if spec.rope is not None:
+        return "the Mosaic GPU stick-breaking forward does not serve RoPE"
+    softmax_spec = AttentionSpec(scale=spec.scale, causal=True)
+    return mg.unsupported_reason(softmax_spec, head_dim, dtype)
+
+
+def _log2(x):
+    """lg2.approx per element (jnp.log2 lowers to log / log 2: an approximate log, a division)."""
+    layout = plgpu.Layout.WGMMA
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout))
+    def op(_, a):
+        return a.log2(approx=True)
+
+    return op(x)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, group: int):
+    *outputs, own, ring = refs
+    o_ref, rem_ref, *sums_ref = outputs
+    (q_smem, tri_smem), own_ready = own
+    scale2 = spec.scale * LOG2E
+    rows_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def compute(batch, head, wg, first, own_blocks, stream, ring):
+        stream_hi = stream[1]
+        q_tile, tri = q_smem.at[wg], tri_smem.at[wg]
+        rows = pl.ds(first, BLOCK)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
+        # tri[m, j] = (m > j): (x @ tri)[i, j] = sum_{m>j} x[i, m], the strict suffix sum
+        tri[...] = jnp.where(mg._iota((BLOCK, BLOCK), 0) > mg._iota((BLOCK, BLOCK), 1), 1.0, 0.0).astype(jnp.float16)
+        plgpu.commit_smem()
+        decay2 = mg._load_gmem(decay_ref.at[head], rows_layout)  # decay_h log2(e), on every row
+        plgpu.barrier_wait(own_ready.at[wg])
+
+        def step(block, carry, masked: bool):
+            c, acc = carry
+            if sums_ref:  # the softplus sum right of this key block, for the backward
+                sums_ref[0].at[batch, head, block, rows][...] = c
+            u = stream_hi - 1 - block  # the ring's step (it streams leftwards)
+            s = mg._matmul((BLOCK, BLOCK), q_tile, ring.wait(u, 0).transpose((1, 0)))
+            ring.release(u, 0)
+            distance = (first - block * BLOCK + mg._iota(s.shape, 0) - mg._iota(s.shape, 1)).astype(jnp.float32)
+            z = s * scale2 - lax.broadcast_in_dim(decay2, s.shape, [0]) * distance
+            sp = jnp.maximum(z, 0.0) + _log2(1.0 + jnp.exp2(-jnp.abs(z)))
+            if masked:  # the diagonal block: keys j < i only
+                valid = distance > 0.0
+                sp = jnp.where(valid, sp, 0.0)
+            suffix = mg._matmul((BLOCK, BLOCK), sp.astype(jnp.float16), tri)  # fp16 terms: see the module doc
+            a = jnp.exp2((z - sp) - lax.broadcast_in_dim(c, s.shape, [0]) - suffix)  # z - sp = log2 sigmoid(z)
+            if masked:
+                a = jnp.where(valid, a, 0.0)
+            acc = mg._matmul_add(acc, a.astype(v_ref.dtype), ring.wait(u, 1))
+            ring.release(u, 1)
+            return c + sp.sum(axis=1), acc
+
+        ring.follow(0, stream_hi - own_blocks[3])  # the other warpgroup's diagonal block
+        carry = (mg._zeros((BLOCK,), rows_layout), mg._zeros((BLOCK, q_ref.shape[3])))
+        c, acc = mg._walk(step, carry, own_blocks, leftwards=True)
+        rem_ref.at[batch, head, rows][...] = jnp.exp2(-c)
+        mg._store_tiles([(acc, q_tile, o_ref.at[batch, rows, head])])
+
+    mg._query_major(compute, q_ref, k_ref, v_ref, ring, bq=BLOCK, bkv=BLOCK, stages=STAGES,
+                    spec=AttentionSpec(scale=spec.scale, causal=True), kv_len=k_ref.shape[1], group=group,
+                    leftwards=True)
+
+
+def stick_breaking_forward(q, k, v, decay, spec: AttentionSpec, *, save_sums: bool):
+    """q [B, S, Hq, D], k/v [B, S, Hkv, D] padded to multiples of 2 * BLOCK rows and D in
+    `mosaic_gpu.HEAD_DIMS`, decay [>= Hq] fp32 -> (out, rem [B, Hq, S] fp32[, the softplus sums
+    at the key-block boundaries [B, Hq, S / BLOCK, S] fp32, base 2]), as
+    `stick_breaking_pallas._fwd_call` with block_k = BLOCK."""
+    batch, seq_pad, num_heads, head_dim = q.shape
+    if seq_pad % (2 * BLOCK) or head_dim not in mg.HEAD_DIMS:
+        raise ValueError(f"stick_breaking_forward needs S a multiple of {2 * BLOCK} and D in "
+                         f"{mg.HEAD_DIMS}, got {q.shape}")
+    decay2 = jnp.broadcast_to((decay[:num_heads] * LOG2E)[:, None], (num_heads, BLOCK))  # a [BLOCK] row per head
+    kernel = functools.partial(_forward_kernel, spec=spec, group=num_heads // k.shape[2])
+    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32))
+    if save_sums:
+        out_type += (jax.ShapeDtypeStruct((batch, num_heads, seq_pad // BLOCK, seq_pad), jnp.float32),)
+    own = ((mg._smem((2, BLOCK, head_dim), q.dtype), mg._smem((2, BLOCK, BLOCK), jnp.float16)),
+           plgpu.Barrier(num_barriers=2))
+    sizes = dict(heads=num_heads, q_tiles=seq_pad // (2 * BLOCK), batch=batch)
+    return mg._launch(kernel, (q, k, v, decay2), out_type, tuple(sizes[n] for n in mg.FORWARD_GRID),
+                      mg.FORWARD_GRID, own, mg._ring_scratch(STAGES, BLOCK, head_dim, k.dtype))
