@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_attn import stick_breaking_mosaic
 from jax_attn.pallas_triton import (
     MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
     _side_specs_and_args, _store_parts, _unpack, rope_tables)
-from jax_attn import stick_breaking_mosaic
 from jax_attn.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least
 
 
@@ -89,6 +89,7 @@ class _Static:
     blocks: StickBreakingBlocks
     interpret: bool
     fast: bool  # 16-bit inputs: base-2 logs with single-MUFU exp2/log2 (see `_stick`)
+    suffix_terms: str  # of A's in-tile suffix sums (`_suffix_terms`)
     mosaic: bool = False  # the forward on the Mosaic GPU kernel (`stick_breaking_mosaic`)
 
     @property
@@ -138,10 +139,12 @@ def _stick(z, valid, c, axis, st: _Static):
     tiny terms of strongly negative logits. `fast` (16-bit inputs; the tile math is
     elementwise-bound): logs in base 2, log2(1 + 2^-|z|) by the approximate ex2 and lg2
     instructions; lg2.approx errs <= 2^-22.6 absolute on [1, 2] and rounding 1 + x <= 2^-24, per
-    key, far below what a 16-bit output resolves. There, on query-major tiles (`axis` 1: forward,
-    dQ), A = exp(z - c - sum_{m>=j} sp) from the inclusive suffix sum, log sigmoid(z) = z - sp:
-    two instructions less per score (H100, 2x8192x16x128: forward 2.14 -> 2.00 ms, dQ 3.82 ->
-    3.69); the k-major dK/dV tile got slower with it (4.93 -> 5.73), so it keeps min(z, 0) - t."""
+    key, far below what a 16-bit output resolves. On query-major tiles (`axis` 1: forward, dQ)
+    log sigmoid(z) = z - sp, and with hi + lo suffix sums (fp16 inputs, `st.suffix_terms`)
+    A = exp(z - c - sum_{m>=j} sp) from the inclusive suffix sum: two instructions less per score
+    (H100, 2x8192x16x128: forward 2.14 -> 2.00 ms, dQ 3.82 -> 3.69); the k-major dK/dV tile got
+    slower with it (4.93 -> 5.73), so it keeps min(z, 0) - t. With fp16 terms (bf16 inputs) the
+    strict suffix keeps the key's own term in fp32, in log sigmoid(z)."""
     if st.fast:
         t = _log2(1.0 + _exp(-jnp.abs(z), st), st)
     else:
@@ -149,38 +152,52 @@ def _stick(z, valid, c, axis, st: _Static):
     sp = jnp.maximum(z, 0.0) + t  # softplus(z) (/ ln 2 when fast)
     if valid is not None:
         sp = jnp.where(valid, sp, 0.0)
-    if st.fast and axis == 1:
+    if st.suffix_terms == "split" and axis == 1:
         log_beta = z - sp  # log sigmoid(z), to eps |z|
-        a = _exp(z - c - _key_sums(sp, axis, keys="from", exact=False), st)
-    else:
-        log_beta = jnp.minimum(z, 0.0) - t  # log sigmoid(z)
-        a = _exp(log_beta - c - _key_sums(sp, axis, keys="after", exact=not st.fast), st)
+        a = _exp(z - c - _key_sums(sp, axis, keys="from", terms="split"), st)
+    else:  # the key's own term in fp32 (log sigmoid(z)): the "fp16" terms err where A is small
+        log_beta = z - sp if st.fast and axis == 1 else jnp.minimum(z, 0.0) - t
+        a = _exp(log_beta - c - _key_sums(sp, axis, keys="after", terms=st.suffix_terms), st)
     if valid is not None:
         a = jnp.where(valid, a, 0.0)
     return sp, _exp(log_beta, st), a
 
 
-def _key_sums(x, axis, *, keys: str, exact: bool):
+def _suffix_terms(dtype) -> str:
+    """The terms of A's in-tile suffix sums (`_key_sums`): fp32 for fp32 inputs; fp16 for bf16,
+    whose own rounding (2^-8) is 8x coarser than the terms' (2^-11), with the key's own term kept
+    in fp32: one tensor-core product instead of two (H100, 2x8192x16x128: forward 2.09 -> 1.89 ms,
+    forward+backward 10.45 -> 9.91, no bf16 parity ratio changed by more than 0.01); hi + lo
+    for fp16, whose decay gradient the single product took to 1.5x the allowed error."""
+    if dtype == jnp.float32:
+        return "fp32"
+    return "fp16" if dtype == jnp.bfloat16 else "split"
+
+
+def _key_sums(x, axis, *, keys: str, terms: str):
     """Per key j of a tile, the sum of x over the keys m along the key axis `axis` with m <= j
     (`keys="up_to"`, for dz), m >= j ("from") or m > j ("after"; both for A).
 
     As products with a triangular 0/1 matrix: the lowering has no reverse cumsum, and rowsum -
     cumsum errs by eps * rowsum (most where A is largest, at the diagonal; several times the
-    reference's error in fp32). `exact` (fp32 inputs): the suffix in fp32, the prefix a cumsum.
-    16-bit inputs: on the tensor cores in fp16, x split into hi + lo (22 bits). The scans cost
+    reference's error in fp32). `terms`: "fp32" (fp32 inputs: the suffix in fp32, the prefix a
+    cumsum); on the tensor cores, "split" x into fp16 hi + lo (22 bits) or "fp16" x rounded to
+    fp16 (one product; `_suffix_terms` says where). The scans cost
     more (H100, 2x8192x16x128: the forward 9 %; the backward 5.5 %, and only once a kernel has no
     scan left: replacing one of its two scans made it slower, +4 to +18 %)."""
-    if exact and keys == "up_to":
+    if terms == "fp32" and keys == "up_to":
         return jnp.cumsum(x, axis=axis)
     n = x.shape[axis]
     m, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
     counts = {"up_to": m <= j, "from": m >= j, "after": m > j}[keys]  # [m, j]: key m counts for key j
     dims = (((1,), (0,)), ((), ()))
-    if exact:
+    if terms == "fp32":
         parts, dtype, precision = (x,), x.dtype, jax.lax.Precision.HIGHEST
     else:
         hi = x.astype(jnp.float16)
-        parts, dtype, precision = (hi, (x - hi.astype(x.dtype)).astype(jnp.float16)), jnp.float16, None
+        parts, dtype, precision = (hi,), jnp.float16, None
+        if terms == "split":
+            parts += ((x - hi.astype(x.dtype)).astype(jnp.float16),)
     tri = counts.astype(dtype)
     dot = lambda a, b: jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
     if axis == 1:  # [rows, keys] @ [m, j]
@@ -192,7 +209,7 @@ def _dz(a, da, sigma, valid, g_left, axis, st: _Static):
     """(dz, g) of one tile: g = A dA, dz = g - sigma (g_left + g summed up to the key, inclusive),
     where g_left holds drem rem + the g of the keys left of the tile."""
     g = a * da
-    dz = g - sigma * (g_left + _key_sums(g, axis, keys="up_to", exact=not st.fast))
+    dz = g - sigma * (g_left + _key_sums(g, axis, keys="up_to", terms="split" if st.fast else "fp32"))
     if valid is not None:
         dz = jnp.where(valid, dz, 0.0)
     return dz, g
@@ -594,6 +611,7 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
     decay_pad = _pad_axis(decay.astype(jnp.float32), 0, pow2_at_least(decay.shape[0]))
-    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2, mosaic=mosaic)
+    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2,
+                 suffix_terms=_suffix_terms(q.dtype), mosaic=mosaic)
     out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]
