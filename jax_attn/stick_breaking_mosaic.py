@@ -13,14 +13,14 @@ Triton backward reads), so its backward is the Triton engine's (`stick_breaking_
 
 The in-tile suffix sums are one product with a triangular 0/1 matrix on the tensor cores, of sp
 rounded to fp16 (for fp16 inputs the Triton kernels add a second product for the rounding's
-remainder, `stick_breaking_pallas._suffix_terms`). Rounding errs by at most 2^-11 of each term,
-so a suffix sum S by at most 2^-11 S, and A's relative error is at most ln 2 2^-11 S = 3.4e-4 S,
-where A <= 2^-S (the strict suffix: the key's own term stays in fp32, in z - sp): at most 1.8e-4
-of the stick. c and rem are fp32 row sums; the backward recomputes A itself. The GPU tests hold
-the forward to the float64 golden under the tolerance rule (bf16 and fp16). A second product
-made it 1.19x slower (H100, 2x8192x16x128 bf16: 1.66 -> 1.98 ms), mostly through register
-spills: the kernel is latency-bound, issuing in 40-46 % of the cycles, and spilled 8.7 M local
-loads even so (ncu).
+remainder, `stick_breaking_pallas._Static.suffix_terms`). Rounding errs by at most 2^-11 of each
+term, so a suffix sum S by at most 2^-11 S, and A's relative error is at most ln 2 2^-11 S =
+3.4e-4 S, where A <= 2^-S (the strict suffix: the key's own term stays in fp32, in z - sp): at
+most 1.8e-4 of the stick. c and rem are fp32 row sums; the backward recomputes A itself. The GPU
+tests hold the forward to the float64 golden under the tolerance rule (bf16 and fp16). A second
+product made it 1.19x slower (H100, 2x8192x16x128 bf16: 1.66 -> 1.98 ms), mostly through
+register spills: the kernel is latency-bound, issuing in 40-46 % of the cycles, and spilled
+8.7 M local loads even so (ncu).
 
 Serves 16-bit inputs, padded head dim 64 or 128, no RoPE (`unsupported_reason`). No interpreter
 runs it on CPU: the tests lower it for CUDA there and run it on the GPU.

@@ -88,13 +88,28 @@ class _Static:
     spec: AttentionSpec  # scale, rope, precision (causal is implied)
     blocks: StickBreakingBlocks
     interpret: bool
-    fast: bool  # 16-bit inputs: base-2 logs with single-MUFU exp2/log2 (see `_stick`)
-    suffix_terms: str  # of A's in-tile suffix sums (`_suffix_terms`)
+    dtype: jnp.dtype  # of q, k, v
     mosaic: bool = False  # the forward on the Mosaic GPU kernel (`stick_breaking_mosaic`)
+
+    @property
+    def fast(self) -> bool:  # 16-bit inputs: base-2 logs with single-MUFU exp2/log2 (see `_stick`)
+        return self.dtype.itemsize == 2
 
     @property
     def ptx(self) -> bool:  # the MUFU instructions themselves (`_approx`); the interpreter has none
         return self.fast and not self.interpret
+
+    @property
+    def suffix_terms(self) -> str:
+        """The terms of A's in-tile suffix sums (`_key_sums`): fp32 for fp32 inputs; fp16 for
+        bf16, whose own rounding (2^-8) is 8x coarser than the terms' (2^-11), with the key's own
+        term kept in fp32: one tensor-core product instead of two (H100, 2x8192x16x128: forward
+        2.09 -> 1.89 ms, forward+backward 10.45 -> 9.91, no bf16 parity ratio changed by more than
+        0.01); hi + lo for fp16, whose decay gradient the single product took to 1.5x the allowed
+        error."""
+        if self.dtype == jnp.float32:
+            return "fp32"
+        return "fp16" if self.dtype == jnp.bfloat16 else "split"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,17 +178,6 @@ def _stick(z, valid, c, axis, st: _Static):
     return sp, _exp(log_beta, st), a
 
 
-def _suffix_terms(dtype) -> str:
-    """The terms of A's in-tile suffix sums (`_key_sums`): fp32 for fp32 inputs; fp16 for bf16,
-    whose own rounding (2^-8) is 8x coarser than the terms' (2^-11), with the key's own term kept
-    in fp32: one tensor-core product instead of two (H100, 2x8192x16x128: forward 2.09 -> 1.89 ms,
-    forward+backward 10.45 -> 9.91, no bf16 parity ratio changed by more than 0.01); hi + lo
-    for fp16, whose decay gradient the single product took to 1.5x the allowed error."""
-    if dtype == jnp.float32:
-        return "fp32"
-    return "fp16" if dtype == jnp.bfloat16 else "split"
-
-
 def _key_sums(x, axis, *, keys: str, terms: str):
     """Per key j of a tile, the sum of x over the keys m along the key axis `axis` with m <= j
     (`keys="up_to"`, for dz), m >= j ("from") or m > j ("after"; both for A).
@@ -182,7 +186,7 @@ def _key_sums(x, axis, *, keys: str, terms: str):
     cumsum errs by eps * rowsum (most where A is largest, at the diagonal; several times the
     reference's error in fp32). `terms`: "fp32" (fp32 inputs: the suffix in fp32, the prefix a
     cumsum); on the tensor cores, "split" x into fp16 hi + lo (22 bits) or "fp16" x rounded to
-    fp16 (one product; `_suffix_terms` says where). The scans cost
+    fp16 (one product; `_Static.suffix_terms` says where). The scans cost
     more (H100, 2x8192x16x128: the forward 9 %; the backward 5.5 %, and only once a kernel has no
     scan left: replacing one of its two scans made it slower, +4 to +18 %)."""
     if terms == "fp32" and keys == "up_to":
@@ -590,9 +594,9 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
         interpret = jax.default_backend() == "cpu"
     batch, seq_len, _, head_dim = q.shape
     head_pad = padded_head_dim(spec, head_dim)
-    mosaic = forward == "mosaic_gpu"
     if forward not in ("pallas_triton", "mosaic_gpu"):
         raise ValueError(f"forward must be 'pallas_triton' or 'mosaic_gpu', got {forward!r}")
+    mosaic = forward == "mosaic_gpu"
     if mosaic and (reason := stick_breaking_mosaic.unsupported_reason(spec, head_dim, q.dtype)):
         raise NotImplementedError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
     if blocks is None:
@@ -611,7 +615,6 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
     decay_pad = _pad_axis(decay.astype(jnp.float32), 0, pow2_at_least(decay.shape[0]))
-    st = _Static(spec, blocks, interpret, fast=jnp.dtype(q.dtype).itemsize == 2,
-                 suffix_terms=_suffix_terms(q.dtype), mosaic=mosaic)
+    st = _Static(spec, blocks, interpret, jnp.dtype(q.dtype), mosaic=mosaic)
     out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]

@@ -173,7 +173,8 @@ def test_mosaic_forward_lowers_for_cuda(head_dim, group):
     from jax_attn.stick_breaking_pallas import _stick_breaking, _Static, default_stick_breaking_blocks
 
     spec = AttentionSpec(scale=head_dim ** -0.5, causal=True)
-    st = _Static(spec, default_stick_breaking_blocks(head_dim, False, jnp.bfloat16), False, True, "fp16", mosaic=True)
+    st = _Static(spec, default_stick_breaking_blocks(head_dim, False, jnp.bfloat16), False, jnp.dtype(jnp.bfloat16),
+                 mosaic=True)
     q = jax.ShapeDtypeStruct((2, 256, 2 * group, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 256, 2, head_dim), jnp.bfloat16)
     decay = jax.ShapeDtypeStruct((2 * group,), jnp.float32)
