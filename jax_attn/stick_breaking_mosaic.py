@@ -13,7 +13,7 @@ Triton backward reads), so its backward is the Triton engine's (`stick_breaking_
 
 The in-tile suffix sums are one product with a triangular 0/1 matrix on the tensor cores, of sp
 rounded to fp16 (for fp16 inputs the Triton kernels add a second product for the rounding's
-remainder, `stick_breaking_pallas._Static.suffix_terms`). Rounding errs by at most 2^-11 of each
+remainder, `stick_breaking_pallas._Static.sum_terms`). Rounding errs by at most 2^-11 of each
 term, so a suffix sum S by at most 2^-11 S, and A's relative error is at most ln 2 2^-11 S =
 3.4e-4 S, where A <= 2^-S (the strict suffix: the key's own term stays in fp32, in z - sp): at
 most 1.8e-4 of the stick. c and rem are fp32 row sums; the backward recomputes A itself. The GPU

@@ -100,12 +100,13 @@ class _Static:
         return self.fast and not self.interpret
 
     @property
-    def suffix_terms(self) -> str:
-        """The terms of A's in-tile suffix sums (`_key_sums`): fp32 for fp32 inputs; fp16 for
-        bf16, whose own rounding (2^-8) is 8x coarser than the terms' (2^-11), with the key's own
-        term kept in fp32: one tensor-core product instead of two (H100, 2x8192x16x128: forward
-        2.09 -> 1.89 ms, forward+backward 10.45 -> 9.91, no bf16 parity ratio changed by more than
-        0.01); hi + lo for fp16, whose decay gradient the single product took to 1.5x the allowed
+    def sum_terms(self) -> str:
+        """The terms of the in-tile key sums (`_key_sums`: A's softplus suffix, dz's g prefix):
+        fp32 for fp32 inputs; fp16 for bf16, whose own rounding (2^-8) is 8x coarser than the
+        terms' (2^-11), with the key's own term kept in fp32 (strict sums): one tensor-core
+        product instead of two (H100, 2x8192x16x128 forward+backward, paired: the suffix 10.45 ->
+        9.91 ms, then the prefix 9.82 -> 8.69; no bf16 parity ratio changed by more than 0.02);
+        hi + lo for fp16, whose decay gradient the single product for A took to 1.5x the allowed
         error."""
         if self.dtype == jnp.float32:
             return "fp32"
@@ -155,7 +156,7 @@ def _stick(z, valid, c, axis, st: _Static):
     elementwise-bound): logs in base 2, log2(1 + 2^-|z|) by the approximate ex2 and lg2
     instructions; lg2.approx errs <= 2^-22.6 absolute on [1, 2] and rounding 1 + x <= 2^-24, per
     key, far below what a 16-bit output resolves. On query-major tiles (`axis` 1: forward, dQ)
-    log sigmoid(z) = z - sp, and with hi + lo suffix sums (fp16 inputs, `st.suffix_terms`)
+    log sigmoid(z) = z - sp, and with hi + lo suffix sums (fp16 inputs, `st.sum_terms`)
     A = exp(z - c - sum_{m>=j} sp) from the inclusive suffix sum: two instructions less per score
     (H100, 2x8192x16x128: forward 2.14 -> 2.00 ms, dQ 3.82 -> 3.69); the k-major dK/dV tile got
     slower with it (4.93 -> 5.73), so it keeps min(z, 0) - t. With fp16 terms (bf16 inputs) the
@@ -167,12 +168,12 @@ def _stick(z, valid, c, axis, st: _Static):
     sp = jnp.maximum(z, 0.0) + t  # softplus(z) (/ ln 2 when fast)
     if valid is not None:
         sp = jnp.where(valid, sp, 0.0)
-    if st.suffix_terms == "split" and axis == 1:
+    if st.sum_terms == "split" and axis == 1:
         log_beta = z - sp  # log sigmoid(z), to eps |z|
         a = _exp(z - c - _key_sums(sp, axis, keys="from", terms="split"), st)
     else:  # the key's own term in fp32 (log sigmoid(z)): the "fp16" terms err where A is small
         log_beta = z - sp if st.fast and axis == 1 else jnp.minimum(z, 0.0) - t
-        a = _exp(log_beta - c - _key_sums(sp, axis, keys="after", terms=st.suffix_terms), st)
+        a = _exp(log_beta - c - _key_sums(sp, axis, keys="after", terms=st.sum_terms), st)
     if valid is not None:
         a = jnp.where(valid, a, 0.0)
     return sp, _exp(log_beta, st), a
@@ -180,20 +181,21 @@ def _stick(z, valid, c, axis, st: _Static):
 
 def _key_sums(x, axis, *, keys: str, terms: str):
     """Per key j of a tile, the sum of x over the keys m along the key axis `axis` with m <= j
-    (`keys="up_to"`, for dz), m >= j ("from") or m > j ("after"; both for A).
+    (`keys="up_to"`) or m < j ("before"; both for dz), m >= j ("from") or m > j ("after"; both
+    for A).
 
     As products with a triangular 0/1 matrix: the lowering has no reverse cumsum, and rowsum -
     cumsum errs by eps * rowsum (most where A is largest, at the diagonal; several times the
     reference's error in fp32). `terms`: "fp32" (fp32 inputs: the suffix in fp32, the prefix a
     cumsum); on the tensor cores, "split" x into fp16 hi + lo (22 bits) or "fp16" x rounded to
-    fp16 (one product; `_Static.suffix_terms` says where). The scans cost
+    fp16 (one product; `_Static.sum_terms` says where). The scans cost
     more (H100, 2x8192x16x128: the forward 9 %; the backward 5.5 %, and only once a kernel has no
     scan left: replacing one of its two scans made it slower, +4 to +18 %)."""
     if terms == "fp32" and keys == "up_to":
         return jnp.cumsum(x, axis=axis)
     n = x.shape[axis]
     m, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-    counts = {"up_to": m <= j, "from": m >= j, "after": m > j}[keys]  # [m, j]: key m counts for key j
+    counts = {"up_to": m <= j, "before": m < j, "from": m >= j, "after": m > j}[keys]  # [m, j]: m counts for j
     dims = (((1,), (0,)), ((), ()))
     if terms == "fp32":
         parts, dtype, precision = (x,), x.dtype, jax.lax.Precision.HIGHEST
@@ -213,7 +215,11 @@ def _dz(a, da, sigma, valid, g_left, axis, st: _Static):
     """(dz, g) of one tile: g = A dA, dz = g - sigma (g_left + g summed up to the key, inclusive),
     where g_left holds drem rem + the g of the keys left of the tile."""
     g = a * da
-    dz = g - sigma * (g_left + _key_sums(g, axis, keys="up_to", terms="split" if st.fast else "fp32"))
+    if st.sum_terms == "fp16":  # the key's own term in fp32
+        up_to = g + _key_sums(g, axis, keys="before", terms="fp16")
+    else:
+        up_to = _key_sums(g, axis, keys="up_to", terms=st.sum_terms)
+    dz = g - sigma * (g_left + up_to)
     if valid is not None:
         dz = jnp.where(valid, dz, 0.0)
     return dz, g
