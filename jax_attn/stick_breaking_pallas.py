@@ -147,7 +147,7 @@ def _log2(x, st: _Static):
     return _approx("lg2", x) if st.ptx else jnp.log2(x)
 
 
-def _stick(z, valid, c, axis, st: _Static):
+def _stick(z, valid, c, axis, st: _Static, tris):
     """softplus, sigma and A of one tile; `axis` is the key axis, c the softplus sum to the right.
     Returns (sp, sigma, a), sp and a zero where not valid (valid None: all valid).
 
@@ -170,16 +170,16 @@ def _stick(z, valid, c, axis, st: _Static):
         sp = jnp.where(valid, sp, 0.0)
     if st.sum_terms == "split" and axis == 1:
         log_beta = z - sp  # log sigmoid(z), to eps |z|
-        a = _exp(z - c - _key_sums(sp, axis, keys="from", terms="split"), st)
+        a = _exp(z - c - _key_sums(sp, axis, keys="from", terms="split", tris=tris), st)
     else:  # the key's own term in fp32 (log sigmoid(z)): the "fp16" terms err where A is small
         log_beta = z - sp if st.fast and axis == 1 else jnp.minimum(z, 0.0) - t
-        a = _exp(log_beta - c - _key_sums(sp, axis, keys="after", terms=st.sum_terms), st)
+        a = _exp(log_beta - c - _key_sums(sp, axis, keys="after", terms=st.sum_terms, tris=tris), st)
     if valid is not None:
         a = jnp.where(valid, a, 0.0)
     return sp, _exp(log_beta, st), a
 
 
-def _key_sums(x, axis, *, keys: str, terms: str):
+def _key_sums(x, axis, *, keys: str, terms: str, tris):
     """Per key j of a tile, the sum of x over the keys m along the key axis `axis` with m <= j
     (`keys="up_to"`) or m < j ("before"; both for dz), m >= j ("from") or m > j ("after"; both
     for A).
@@ -190,39 +190,56 @@ def _key_sums(x, axis, *, keys: str, terms: str):
     cumsum); on the tensor cores, "split" x into fp16 hi + lo (22 bits) or "fp16" x rounded to
     fp16 (one product; `_Static.sum_terms` says where). The scans cost
     more (H100, 2x8192x16x128: the forward 9 %; the backward 5.5 %, and only once a kernel has no
-    scan left: replacing one of its two scans made it slower, +4 to +18 %)."""
+    scan left: replacing one of its two scans made it slower, +4 to +18 %). `tris`: the kernel's
+    matrices (`_triangles`), loaded from memory."""
     if terms == "fp32" and keys == "up_to":
         return jnp.cumsum(x, axis=axis)
-    n = x.shape[axis]
-    m, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-    counts = {"up_to": m <= j, "before": m < j, "from": m >= j, "after": m > j}[keys]  # [m, j]: m counts for j
-    dims = (((1,), (0,)), ((), ()))
     if terms == "fp32":
-        parts, dtype, precision = (x,), x.dtype, jax.lax.Precision.HIGHEST
+        parts, precision = (x,), jax.lax.Precision.HIGHEST
     else:
         hi = x.astype(jnp.float16)
-        parts, dtype, precision = (hi,), jnp.float16, None
+        parts, precision = (hi,), None
         if terms == "split":
             parts += ((x - hi.astype(x.dtype)).astype(jnp.float16),)
-    tri = counts.astype(dtype)
+    dims = (((1,), (0,)), ((), ()))
     dot = lambda a, b: jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
     if axis == 1:  # [rows, keys] @ [m, j]
-        return sum(dot(part, tri) for part in parts)
-    return sum(dot(tri.T, part) for part in parts)
+        return sum(dot(part, tris[keys]) for part in parts)
+    return sum(dot(tris[keys], part) for part in parts)  # [j, m] @ [keys, rows]
 
 
-def _dz(a, da, sigma, valid, g_left, axis, st: _Static):
+def _dz(a, da, sigma, valid, g_left, axis, st: _Static, tris):
     """(dz, g) of one tile: g = A dA, dz = g - sigma (g_left + g summed up to the key, inclusive),
     where g_left holds drem rem + the g of the keys left of the tile."""
     g = a * da
     if st.sum_terms == "fp16":  # the key's own term in fp32
-        up_to = g + _key_sums(g, axis, keys="before", terms="fp16")
+        up_to = g + _key_sums(g, axis, keys="before", terms="fp16", tris=tris)
     else:
-        up_to = _key_sums(g, axis, keys="up_to", terms=st.sum_terms)
+        up_to = _key_sums(g, axis, keys="up_to", terms=st.sum_terms, tris=tris)
     dz = g - sigma * (g_left + up_to)
     if valid is not None:
         dz = jnp.where(valid, dz, 0.0)
     return dz, g
+
+
+TRI_KEYS = ("up_to", "before", "from", "after")
+
+
+def _triangles(block_k: int, st: _Static, k_major: bool):
+    """The 0/1 matrices of `_key_sums` [len(TRI_KEYS), block_k, block_k] ([m, j]: key m counts for
+    key j; transposed for the k-major tiles, where they are the left operand), a kernel input.
+    Built in the kernel from iotas, they were hoisted out of its loop and held in registers; as
+    loads they sit in shared memory (H100, 2x8192x16x128 bf16: the dK/dV kernel's spills 17.3 M
+    -> 0.25 M local loads, 3.85 -> 3.53 ms; forward+backward 8.72 -> 8.46 ms, bit-equal)."""
+    m, j = jnp.arange(block_k)[:, None], jnp.arange(block_k)[None, :]
+    counts = {"up_to": m <= j, "before": m < j, "from": m >= j, "after": m > j}
+    dtype = jnp.float32 if st.sum_terms == "fp32" else jnp.float16
+    return jnp.stack([counts[name].T if k_major else counts[name] for name in TRI_KEYS]).astype(dtype)
+
+
+def _load_triangles(tri_ref):
+    """`_key_sums`'s matrices by name (the unused loads are dropped)."""
+    return {name: tri_ref[i] for i, name in enumerate(TRI_KEYS)}
 
 
 def _barrier(st: _Static):
@@ -255,8 +272,9 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, bet
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: bool, group: int):
+def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, save_sums: bool, group: int):
     spec = st.spec
+    tris = _load_triangles(tri_ref)
     _, _, tables, refs = _unpack(refs, spec)
     rope = spec.rope is not None
     if rope:  # (the flags' input ref, aliased to the output ref used here)
@@ -333,7 +351,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, st: _Static, save_sums: b
         cols = (start + jnp.arange(block_k))[None, :]
         z = _logits(q_parts, k, spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
-        sp, _, a = _stick(z, valid, c[:, None], 1, st)
+        sp, _, a = _stick(z, valid, c[:, None], 1, st, tris)
         acc = acc + _dot(a.astype(v.dtype), v, spec)
         return c + sp.sum(axis=1), acc
 
@@ -366,12 +384,14 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
     kv_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     sums_spec = pl.BlockSpec((None, None, num_k_blocks, bq), lambda i, b, h: (b, h, 0, i))
     q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec(decay.shape, lambda *_: (0,)), *side_specs]
+    tris = _triangles(st.blocks.block_k, st, k_major=False)
+    in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec(decay.shape, lambda *_: (0,)),
+                pl.BlockSpec(tris.shape, lambda *_: (0, 0, 0)), *side_specs]
     out_specs = [q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] + [sums_spec] * save_sums
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)]
     out_shape += [jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32)] * save_sums
-    args = [q, k, v, decay, *side_args]
+    args = [q, k, v, decay, tris, *side_args]
     aliases = {}
     if st.spec.rope is not None:  # + q, k rotated and the flags of the published key blocks
         flags = jnp.zeros((batch, num_kv_heads, num_k_blocks), jnp.int32)
@@ -399,9 +419,10 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st: _Static):
+def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, tri_ref, *refs, st: _Static):
     """dQ and the per-row decay gradient; stores the g sums at every key-block boundary."""
     spec = st.spec
+    tris = _load_triangles(tri_ref)
     _, _, tables, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
@@ -420,9 +441,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
         cols = (start + jnp.arange(block_k))[None, :]
         z = _logits(q, k, spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
-        _, sigma, a = _stick(z, valid, c_ref[block, :][:, None], 1, st)
+        _, sigma, a = _stick(z, valid, c_ref[block, :][:, None], 1, st, tris)
         da = _dot(do, v, spec, trans_b=True)
-        dz, g = _dz(a, da, sigma, valid, g_left[:, None], 1, st)
+        dz, g = _dz(a, da, sigma, valid, g_left[:, None], 1, st, tris)
         ddecay = ddecay - jnp.sum(dz * (rows - cols).astype(jnp.float32), axis=1)
         dz = dz.astype(k_ref.dtype)
         dq = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dq, k))
@@ -437,9 +458,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, *refs, st:
     ddecay_ref[...] = ddecay
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st: _Static):
+def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, tri_ref, *refs, st: _Static):
     """One program per (key block, batch, kv head); loops over (query block, group head)."""
     spec = st.spec
+    tris = _load_triangles(tri_ref)
     _, _, tables, (dk_ref, dv_ref) = _unpack(refs, spec)
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
@@ -462,9 +484,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, *refs, st
         rows = (start + jnp.arange(block_q))[None, :]
         z = _logits(q, k, spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
         valid = cols < rows if masked else None
-        _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :], 0, st)
+        _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :], 0, st, tris)
         da = _dot(v, do, spec, trans_b=True)
-        dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], 0, st)
+        dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], 0, st, tris)
         dv = dv + _dot(a.astype(do.dtype), do, spec)
         dz = dz.astype(q_ref.dtype)
         dk = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dk, q))
@@ -496,6 +518,8 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
     bq, bk = blocks.block_q, blocks.block_k
     num_k_blocks = seq_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
+    tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
+    tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
 
     # dQ (+ the per-row decay gradient, + the g sums at each key-block boundary)
     q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
@@ -509,12 +533,12 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
         functools.partial(_dq_kernel, st=st),
         grid=(seq_pad // bq, batch, num_heads),
         in_specs=[q_block_spec, kv_full_spec, kv_full_spec, decay_spec, q_block_spec, row_spec,
-                  boundary_spec, *side_specs],
+                  boundary_spec, tri_spec, *side_specs],
         out_specs=[q_block_spec, row_spec, boundary_spec],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32), boundary],
         compiler_params=params, interpret=st.interpret, name="stick_breaking_bwd_dq",
-    )(q, k, v, decay, do, g0, c_sums, *side_args)
+    )(q, k, v, decay, do, g0, c_sums, tris[0], *side_args)
 
     # dK/dV: query-side arrays viewed per kv head
     q_group_spec = pl.BlockSpec((None, seq_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
@@ -527,11 +551,11 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
         functools.partial(_dkdv_kernel, st=st),
         grid=(num_k_blocks, batch, num_kv_heads),
         in_specs=[q_group_spec, kv_block_spec, kv_block_spec, decay_spec, q_group_spec,
-                  boundary_group_spec, boundary_group_spec, *side_specs],
+                  boundary_group_spec, boundary_group_spec, tri_spec, *side_specs],
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=dkdv_params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
-    )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums),
+    )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), tris[1],
       *side_args)
     return dq, dk, dv, ddecay
 
