@@ -483,9 +483,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, tri_ref, 
         lam = decay_ref[first_head + g]
         rows = (start + jnp.arange(block_q))[None, :]
         z = _logits(q, k, spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
+        # dA next to the logits' product, before the tile math (H100, 2x8192x16x128 bf16: fwd+bwd
+        # 8.50 -> 8.42 ms, bit-equal; in the dQ kernel it took 8.51 -> 8.62)
+        da = _dot(v, do, spec, trans_b=True)
         valid = cols < rows if masked else None
         _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :], 0, st, tris)
-        da = _dot(v, do, spec, trans_b=True)
         dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], 0, st, tris)
         dv = dv + _dot(a.astype(do.dtype), do, spec)
         dz = dz.astype(q_ref.dtype)
