@@ -18,6 +18,9 @@ import numpy as np
 from jax_attn.rope import Rope
 
 LOG2E = math.log2(math.e)  # the kernels exponentiate in base 2
+# Stick-breaking: its 16-bit in-tile softplus suffix terms (base 2) are capped here before the fp16
+# rounding (fp16 overflows at 65504); one such term makes every A left of it 2^-256, zero in fp32.
+SP_CAP = 256.0
 
 
 def pow2_at_least(n: int, minimum: int = 16) -> int:

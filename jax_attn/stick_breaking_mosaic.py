@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn import mosaic_gpu as mg
-from jax_attn.spec import LOG2E, AttentionSpec
+from jax_attn.spec import LOG2E, SP_CAP, AttentionSpec
 
 BLOCK = mg.WGMMA_ROWS  # query rows per compute warpgroup = keys per step = the backward's block_k
 STAGES = 3  # K, V slots in flight (a step is a quarter of the softmax forward's 128-key step)
@@ -92,7 +92,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
             if masked:  # the diagonal block: keys j < i only
                 valid = distance > 0.0
                 sp = jnp.where(valid, sp, 0.0)
-            suffix = mg._matmul((BLOCK, BLOCK), sp.astype(jnp.float16), tri)  # fp16 terms: see the module doc
+            # fp16 terms, capped at SP_CAP: see the module doc
+            suffix = mg._matmul((BLOCK, BLOCK), jnp.minimum(sp, SP_CAP).astype(jnp.float16), tri)
             a = jnp.exp2((z - sp) - lax.broadcast_in_dim(c, s.shape, [0]) - suffix)  # z - sp = log2 sigmoid(z)
             if masked:
                 a = jnp.where(valid, a, 0.0)

@@ -39,7 +39,7 @@ from jax_attn import stick_breaking_mosaic
 from jax_attn.pallas_triton import (
     MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
     _side_specs_and_args, _store_parts, _unpack, rope_tables)
-from jax_attn.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least
+from jax_attn.spec import LOG2E, SP_CAP, AttentionSpec, padded_head_dim, pow2_at_least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,11 +156,13 @@ def _stick(z, valid, c, axis, st: _Static, tris):
     elementwise-bound): logs in base 2, log2(1 + 2^-|z|) by the approximate ex2 and lg2
     instructions; lg2.approx errs <= 2^-22.6 absolute on [1, 2] and rounding 1 + x <= 2^-24, per
     key, far below what a 16-bit output resolves. On query-major tiles (`axis` 1: forward, dQ)
-    log sigmoid(z) = z - sp, and with hi + lo suffix sums (fp16 inputs, `st.sum_terms`)
-    A = exp(z - c - sum_{m>=j} sp) from the inclusive suffix sum: two instructions less per score
-    (H100, 2x8192x16x128: forward 2.14 -> 2.00 ms, dQ 3.82 -> 3.69); the k-major dK/dV tile got
-    slower with it (4.93 -> 5.73), so it keeps min(z, 0) - t. With fp16 terms (bf16 inputs) the
-    strict suffix keeps the key's own term in fp32, in log sigmoid(z)."""
+    log sigmoid(z) = z - sp (the k-major dK/dV tile was slower with it, 4.93 -> 5.73 ms, and keeps
+    min(z, 0) - t). A = exp(log sigmoid(z) - c - sum_{m>j} sp): the key's own term in fp32, the
+    strict suffix on the tensor cores, its 16-bit terms capped at SP_CAP (fp16 overflows at 65504:
+    the logits of 16-bit inputs can pass that, and inf times the matrix's zeros is NaN; a term of
+    SP_CAP already makes every A left of it 2^-256, zero in fp32, so the cap changes nothing).
+    (An inclusive suffix, exp(z - c - sum_{m>=j} sp), saved two instructions per score for fp16
+    inputs, forward 2.14 -> 2.00 ms, but needs the key's own term uncapped.)"""
     if st.fast:
         t = _log2(1.0 + _exp(-jnp.abs(z), st), st)
     else:
@@ -168,12 +170,9 @@ def _stick(z, valid, c, axis, st: _Static, tris):
     sp = jnp.maximum(z, 0.0) + t  # softplus(z) (/ ln 2 when fast)
     if valid is not None:
         sp = jnp.where(valid, sp, 0.0)
-    if st.sum_terms == "split" and axis == 1:
-        log_beta = z - sp  # log sigmoid(z), to eps |z|
-        a = _exp(z - c - _key_sums(sp, axis, keys="from", terms="split", tris=tris), st)
-    else:  # the key's own term in fp32 (log sigmoid(z)): the "fp16" terms err where A is small
-        log_beta = z - sp if st.fast and axis == 1 else jnp.minimum(z, 0.0) - t
-        a = _exp(log_beta - c - _key_sums(sp, axis, keys="after", terms=st.sum_terms, tris=tris), st)
+    log_beta = z - sp if st.fast and axis == 1 else jnp.minimum(z, 0.0) - t  # log sigmoid(z)
+    terms = sp if st.sum_terms == "fp32" else jnp.minimum(sp, SP_CAP)
+    a = _exp(log_beta - c - _key_sums(terms, axis, keys="after", terms=st.sum_terms, tris=tris), st)
     if valid is not None:
         a = jnp.where(valid, a, 0.0)
     return sp, _exp(log_beta, st), a
@@ -181,8 +180,7 @@ def _stick(z, valid, c, axis, st: _Static, tris):
 
 def _key_sums(x, axis, *, keys: str, terms: str, tris):
     """Per key j of a tile, the sum of x over the keys m along the key axis `axis` with m <= j
-    (`keys="up_to"`) or m < j ("before"; both for dz), m >= j ("from") or m > j ("after"; both
-    for A).
+    (`keys="up_to"`) or m < j ("before"; both for dz), or m > j ("after", for A).
 
     As products with a triangular 0/1 matrix: the lowering has no reverse cumsum, and rowsum -
     cumsum errs by eps * rowsum (most where A is largest, at the diagonal; several times the
@@ -222,7 +220,7 @@ def _dz(a, da, sigma, valid, g_left, axis, st: _Static, tris):
     return dz, g
 
 
-TRI_KEYS = ("up_to", "before", "from", "after")
+TRI_KEYS = ("up_to", "before", "after")
 
 
 def _triangles(block_k: int, st: _Static, k_major: bool):
@@ -232,7 +230,7 @@ def _triangles(block_k: int, st: _Static, k_major: bool):
     loads they sit in shared memory (H100, 2x8192x16x128 bf16: the dK/dV kernel's spills 17.3 M
     -> 0.25 M local loads, 3.85 -> 3.53 ms; forward+backward 8.72 -> 8.46 ms, bit-equal)."""
     m, j = jnp.arange(block_k)[:, None], jnp.arange(block_k)[None, :]
-    counts = {"up_to": m <= j, "before": m < j, "from": m >= j, "after": m > j}
+    counts = {"up_to": m <= j, "before": m < j, "after": m > j}
     dtype = jnp.float32 if st.sum_terms == "fp32" else jnp.float16
     return jnp.stack([counts[name].T if k_major else counts[name] for name in TRI_KEYS]).astype(dtype)
 
