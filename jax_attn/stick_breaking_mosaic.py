@@ -16,7 +16,9 @@ rounded to fp16 (for fp16 inputs the Triton kernels add a second product for the
 remainder, `stick_breaking_pallas._Static.sum_terms`). Rounding errs by at most 2^-11 of each
 term, so a suffix sum S by at most 2^-11 S, and A's relative error is at most ln 2 2^-11 S =
 3.4e-4 S, where A <= 2^-S (the strict suffix: the key's own term stays in fp32, in z - sp): at
-most 1.8e-4 of the stick. c and rem are fp32 row sums; the backward recomputes A itself. The GPU
+most 1.8e-4 of the stick. The terms are capped at SP_CAP before the rounding (fp16 overflows at
+65504, and inf times the matrix's zeros is NaN); one capped term makes every A left of it 2^-256,
+zero in fp32, so the cap changes nothing. c and rem are fp32 row sums; the backward recomputes A itself. The GPU
 tests hold the forward to the float64 golden under the tolerance rule (bf16 and fp16). A second
 product made it 1.19x slower (H100, 2x8192x16x128 bf16: 1.66 -> 1.98 ms), mostly through
 register spills: the kernel is latency-bound, issuing in 40-46 % of the cycles, and spilled
@@ -92,7 +94,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
             if masked:  # the diagonal block: keys j < i only
                 valid = distance > 0.0
                 sp = jnp.where(valid, sp, 0.0)
-            # fp16 terms, capped at SP_CAP: see the module doc
+            # fp16 terms, capped at SP_CAP (see the module doc)
             suffix = mg._matmul((BLOCK, BLOCK), jnp.minimum(sp, SP_CAP).astype(jnp.float16), tri)
             a = jnp.exp2((z - sp) - lax.broadcast_in_dim(c, s.shape, [0]) - suffix)  # z - sp = log2 sigmoid(z)
             if masked:

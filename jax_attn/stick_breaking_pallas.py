@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -171,8 +172,8 @@ def _stick(z, valid, c, axis, st: _Static, tris):
     if valid is not None:
         sp = jnp.where(valid, sp, 0.0)
     log_beta = z - sp if st.fast and axis == 1 else jnp.minimum(z, 0.0) - t  # log sigmoid(z)
-    terms = sp if st.sum_terms == "fp32" else jnp.minimum(sp, SP_CAP)
-    a = _exp(log_beta - c - _key_sums(terms, axis, keys="after", terms=st.sum_terms, tris=tris), st)
+    summed = sp if st.sum_terms == "fp32" else jnp.minimum(sp, SP_CAP)
+    a = _exp(log_beta - c - _key_sums(summed, axis, keys="after", terms=st.sum_terms, tris=tris), st)
     if valid is not None:
         a = jnp.where(valid, a, 0.0)
     return sp, _exp(log_beta, st), a
@@ -223,16 +224,23 @@ def _dz(a, da, sigma, valid, g_left, axis, st: _Static, tris):
 TRI_KEYS = ("up_to", "before", "after")
 
 
-def _triangles(block_k: int, st: _Static, k_major: bool):
+def _triangles(block_k: int, st: _Static, k_major: bool) -> np.ndarray:
     """The 0/1 matrices of `_key_sums` [len(TRI_KEYS), block_k, block_k] ([m, j]: key m counts for
     key j; transposed for the k-major tiles, where they are the left operand), a kernel input.
     Built in the kernel from iotas, they were hoisted out of its loop and held in registers; as
     loads they sit in shared memory (H100, 2x8192x16x128 bf16: the dK/dV kernel's spills 17.3 M
     -> 0.25 M local loads, 3.85 -> 3.53 ms; forward+backward 8.72 -> 8.46 ms, bit-equal)."""
-    m, j = jnp.arange(block_k)[:, None], jnp.arange(block_k)[None, :]
+    return _triangle_constants(block_k, "float32" if st.sum_terms == "fp32" else "float16", k_major)
+
+
+@functools.cache
+def _triangle_constants(block_k: int, dtype: str, k_major: bool) -> np.ndarray:
+    """NumPy, built once per shape: a constant of the trace, no per-call ops."""
+    m, j = np.arange(block_k)[:, None], np.arange(block_k)[None, :]
     counts = {"up_to": m <= j, "before": m < j, "after": m > j}
-    dtype = jnp.float32 if st.sum_terms == "fp32" else jnp.float16
-    return jnp.stack([counts[name].T if k_major else counts[name] for name in TRI_KEYS]).astype(dtype)
+    mats = np.stack([counts[name].T if k_major else counts[name] for name in TRI_KEYS]).astype(dtype)
+    mats.setflags(write=False)  # shared by every call
+    return mats
 
 
 def _load_triangles(tri_ref):

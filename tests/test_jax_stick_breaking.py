@@ -33,7 +33,8 @@ def _run(arrays, dtype, decay, implementation, **kw):
     return [np.asarray(x, np.float64) for x in (out, rem, *grads)]
 
 
-def check(shape, dtype=jnp.float32, decay=0.0, seed=0, implementation="pallas_triton", **kw):
+def check(shape, dtype=jnp.float32, decay=0.0, seed=0, implementation="pallas_triton", held=NAMES, **kw):
+    """Every quantity finite; those in `held` within the tolerance rule of the float64 golden."""
     arrays = _draw(seed, *shape)
     with jax.enable_x64(True), jax.default_matmul_precision("highest"):
         golden = _run(arrays, jnp.float64, decay, "xla", **kw)
@@ -41,6 +42,9 @@ def check(shape, dtype=jnp.float32, decay=0.0, seed=0, implementation="pallas_tr
         naive = _run(arrays, dtype, decay, "xla", **kw)
         fast = _run(arrays, dtype, decay, implementation, **kw)
     for name, f, n, g in zip(NAMES, fast, naive, golden):
+        assert np.isfinite(f).all(), f"{name}: not finite"
+        if name not in held:
+            continue
         factor = FORWARD_FACTOR if name in ("out", "rem") else GRADIENT_FACTOR
         verdict = compare(f, n, g, NP_DTYPE[dtype], factor)
         assert verdict.ok, f"{name}: {verdict}"
@@ -79,17 +83,8 @@ def _check_huge_logits(dtype, implementation):
     row is saturated, so the true dq, dk and d decay are ~1e-31: ours are finite but not that
     small (log sigmoid(z) = z - softplus(z) errs by eps |z| on the query-major tiles, times the
     scale 3000), so they are only checked for finiteness."""
-    arrays = _draw(0, 1, 128, 2, 2, 64)
-    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
-        golden = _run(arrays, jnp.float64, 0.02, "xla", scale=3000.0)
-    with jax.default_matmul_precision("highest"):
-        naive = _run(arrays, dtype, 0.02, "xla", scale=3000.0)
-        fast = _run(arrays, dtype, 0.02, implementation, scale=3000.0)
-    for name, f, n, g in zip(NAMES, fast, naive, golden):
-        assert np.isfinite(f).all(), name
-        if name in ("out", "rem", "dv"):
-            verdict = compare(f, n, g, NP_DTYPE[dtype], GRADIENT_FACTOR if name == "dv" else FORWARD_FACTOR)
-            assert verdict.ok, f"{name}: {verdict}"
+    check((1, 128, 2, 2, 64), dtype=dtype, decay=0.02, implementation=implementation, scale=3000.0,
+          held=("out", "rem", "dv"))
 
 
 def test_fp16_huge_logits():
