@@ -21,6 +21,10 @@ LOG2E = math.log2(math.e)  # the kernels exponentiate in base 2
 # Stick-breaking: its 16-bit in-tile softplus suffix terms (base 2) are capped here before the fp16
 # rounding (fp16 overflows at 65504); one such term makes every A left of it 2^-256, zero in fp32.
 SP_CAP = 256.0
+# Stick-breaking: a row whose softplus sum right of a key block reaches SPENT (base 2) has spent its
+# stick there: every A left of it is 2^-SPENT or less, which rounds to exactly 0 in fp32 (the
+# smallest subnormal is 2^-149), so the kernels skip those tiles and the results stay bit-equal.
+SPENT = 152.0
 
 
 def pow2_at_least(n: int, minimum: int = 16) -> int:

@@ -63,9 +63,9 @@ def _log2(x):
     return op(x)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, group: int):
+def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, group: int, spent: float):
     *outputs, own, ring = refs
-    o_ref, rem_ref, *sums_ref = outputs
+    o_ref, rem_ref, *sums_ref = outputs  # (+ the sums and the spent key blocks)
     (q_smem, tri_smem), own_ready = own
     scale2 = spec.scale * LOG2E
     rows_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -82,9 +82,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
         plgpu.barrier_wait(own_ready.at[wg])
 
         def step(block, carry, masked: bool):
-            c, acc = carry
+            c, acc, *spent_blocks = carry
             if sums_ref:  # the softplus sum right of this key block, for the backward
                 sums_ref[0].at[batch, head, block, rows][...] = c
+                spent_blocks = [spent_blocks[0] + jnp.where(c >= spent, 1.0, 0.0)]
             u = stream_hi - 1 - block  # the ring's step (it streams leftwards)
             s = mg._matmul((BLOCK, BLOCK), q_tile, ring.wait(u, 0).transpose((1, 0)))
             ring.release(u, 0)
@@ -101,12 +102,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
                 a = jnp.where(valid, a, 0.0)
             acc = mg._matmul_add(acc, a.astype(v_ref.dtype), ring.wait(u, 1))
             ring.release(u, 1)
-            return c + sp.sum(axis=1), acc
+            return c + sp.sum(axis=1), acc, *spent_blocks
 
         ring.follow(0, stream_hi - own_blocks[3])  # the other warpgroup's diagonal block
         carry = (mg._zeros((BLOCK,), rows_layout), mg._zeros((BLOCK, q_ref.shape[3])))
-        c, acc = mg._walk(step, carry, own_blocks, leftwards=True)
+        carry += (mg._zeros((BLOCK,), rows_layout),) * bool(sums_ref)
+        c, acc, *spent_blocks = mg._walk(step, carry, own_blocks, leftwards=True)
         rem_ref.at[batch, head, rows][...] = jnp.exp2(-c)
+        if sums_ref:
+            sums_ref[1].at[batch, head, rows][...] = spent_blocks[0]
         mg._store_tiles([(acc, q_tile, o_ref.at[batch, rows, head])])
 
     mg._query_major(compute, q_ref, k_ref, v_ref, ring, bq=BLOCK, bkv=BLOCK, stages=STAGES,
@@ -114,22 +118,26 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
                     leftwards=True)
 
 
-def stick_breaking_forward(q, k, v, decay, spec: AttentionSpec, *, save_sums: bool):
+def stick_breaking_forward(q, k, v, decay, spec: AttentionSpec, *, save_sums: bool, spent: float):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] padded to multiples of 2 * BLOCK rows and D in
     `mosaic_gpu.HEAD_DIMS`, decay [>= Hq] fp32 -> (out, rem [B, Hq, S] fp32[, the softplus sums
-    at the key-block boundaries [B, Hq, S / BLOCK, S] fp32, base 2]), as
-    `stick_breaking_pallas._fwd_call` with block_k = BLOCK."""
+    at the key-block boundaries [B, Hq, S / BLOCK, S] fp32, base 2, and per row the number of key
+    blocks from key 0 whose sums reach `spent`, int32 [B, Hq, S]]), as
+    `stick_breaking_pallas._fwd_call` with block_k = BLOCK. It walks every tile (the Triton
+    forward ends a walk where the sticks are spent; the backward skips them after either)."""
     batch, seq_pad, num_heads, head_dim = q.shape
     if seq_pad % (2 * BLOCK) or head_dim not in mg.HEAD_DIMS:
         raise ValueError(f"stick_breaking_forward needs S a multiple of {2 * BLOCK} and D in "
                          f"{mg.HEAD_DIMS}, got {q.shape}")
     decay2 = jnp.broadcast_to((decay[:num_heads] * LOG2E)[:, None], (num_heads, BLOCK))  # a [BLOCK] row per head
-    kernel = functools.partial(_forward_kernel, spec=spec, group=num_heads // k.shape[2])
+    kernel = functools.partial(_forward_kernel, spec=spec, group=num_heads // k.shape[2], spent=spent)
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32))
     if save_sums:
-        out_type += (jax.ShapeDtypeStruct((batch, num_heads, seq_pad // BLOCK, seq_pad), jnp.float32),)
+        out_type += (jax.ShapeDtypeStruct((batch, num_heads, seq_pad // BLOCK, seq_pad), jnp.float32),
+                     jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32))  # (counted in fp32)
     own = ((mg._smem((2, BLOCK, head_dim), q.dtype), mg._smem((2, BLOCK, BLOCK), jnp.float16)),
            plgpu.Barrier(num_barriers=2))
     sizes = dict(heads=num_heads, q_tiles=seq_pad // (2 * BLOCK), batch=batch)
-    return mg._launch(kernel, (q, k, v, decay2), out_type, tuple(sizes[n] for n in mg.FORWARD_GRID),
+    outs = mg._launch(kernel, (q, k, v, decay2), out_type, tuple(sizes[n] for n in mg.FORWARD_GRID),
                       mg.FORWARD_GRID, own, mg._ring_scratch(STAGES, BLOCK, head_dim, k.dtype))
+    return (*outs[:3], outs[3].astype(jnp.int32)) if save_sums else outs

@@ -40,7 +40,7 @@ from jax_attn import stick_breaking_mosaic
 from jax_attn.pallas_triton import (
     MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
     _side_specs_and_args, _store_parts, _unpack, rope_tables)
-from jax_attn.spec import LOG2E, SP_CAP, AttentionSpec, padded_head_dim, pow2_at_least
+from jax_attn.spec import LOG2E, SP_CAP, SPENT, AttentionSpec, padded_head_dim, pow2_at_least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,7 @@ class _Static:
     interpret: bool
     dtype: jnp.dtype  # of q, k, v
     mosaic: bool = False  # the forward on the Mosaic GPU kernel (`stick_breaking_mosaic`)
+    skip: bool = True  # skip the tiles of spent sticks (`spent`; False: the tests' dense walk)
 
     @property
     def fast(self) -> bool:  # 16-bit inputs: base-2 logs with single-MUFU exp2/log2 (see `_stick`)
@@ -99,6 +100,14 @@ class _Static:
     @property
     def ptx(self) -> bool:  # the MUFU instructions themselves (`_approx`); the interpreter has none
         return self.fast and not self.interpret
+
+    @property
+    def spent(self) -> float:
+        """The softplus sum (in the kernel's log units) from which a row's stick is spent: every A
+        left of it rounds to exactly 0 in fp32 (`spec.SPENT`), so its tiles add exactly nothing."""
+        if not self.skip:
+            return float("inf")
+        return SPENT if self.fast else SPENT / LOG2E
 
     @property
     def sum_terms(self) -> str:
@@ -254,11 +263,14 @@ def _barrier(st: _Static):
         plgpu.debug_barrier()
 
 
-def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, between=None):
+def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, between=None, stop=None,
+              first=0):
     """Walk the key blocks a query block sees (keys j < its last row) in order, leftwards from the
     diagonal or rightwards to it; the diagonal tiles evaluate the mask j < i, the others do not.
     `body(block, carry, masked)`. Leftwards, `between(full)` runs after the diagonal tiles and
-    returns the number of blocks [0, full) to walk then (= full)."""
+    returns the number of blocks [0, full) to walk then (= full), and the walk ends early once
+    `stop(carry)` (the rows' sticks are spent): -> (carry, the number of blocks left unwalked).
+    Rightwards it starts at block `first` (those left of it are spent)."""
     first_row = pl.program_id(0) * row_block
     hi = (first_row + row_block - 1 + block_k - 1) // block_k  # blocks holding some j < last row
     full = first_row // block_k  # blocks with every j < first row
@@ -268,8 +280,11 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, bet
         carry = jax.lax.fori_loop(0, hi - full, lambda t, c: masked(hi - 1 - t, c), carry)
         if between is not None:
             full = between(full)
-        return jax.lax.fori_loop(0, full, lambda t, c: unmasked(full - 1 - t, c), carry)
-    carry = jax.lax.fori_loop(0, full, unmasked, carry)
+        walking = lambda state: (state[0] < full) & jnp.logical_not(stop(state[1]))
+        step = lambda state: (state[0] + 1, unmasked(full - 1 - state[0], state[1]))
+        walked, carry = jax.lax.while_loop(walking, step, (jnp.int32(0), carry))
+        return carry, full - walked
+    carry = jax.lax.fori_loop(first, full, unmasked, carry)
     return jax.lax.fori_loop(full, hi, masked, carry)
 
 
@@ -287,7 +302,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
         _, o_ref, rem_ref, *saved, q_rot_ref, k_rot_ref, flags_ref = refs
     else:
         o_ref, rem_ref, *saved = refs
-    c_ref = saved[0] if save_sums else None
+    c_ref, spent_ref = saved if save_sums else (None, None)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
@@ -347,9 +362,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
         return jnp.where(acquired > 0, full, 0)
 
     def body(block, carry, masked):
-        c, acc = carry
+        c, acc, *spent = carry
         if save_sums:  # the softplus sum right of this key block, for the backward
             c_ref[block, :] = c
+            spent = [spent[0] + (c >= st.spent).astype(jnp.int32)]
         start = pl.multiple_of(block * block_k, block_k)
         tile = pl.ds(start, block_k)
         q_parts, k = keys(tile, block, masked)
@@ -359,12 +375,23 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
         valid = cols < rows if masked else None
         sp, _, a = _stick(z, valid, c[:, None], 1, st, tris)
         acc = acc + _dot(a.astype(v.dtype), v, spec)
-        return c + sp.sum(axis=1), acc
+        return c + sp.sum(axis=1), acc, *spent
 
     carry = (jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
-    c, acc = _row_walk(body, carry, block_q, block_k, leftwards=True, between=after_diagonal if rope else None)
+    carry += (jnp.zeros((block_q,), jnp.int32),) * save_sums
+    (c, acc, *spent), unwalked = _row_walk(body, carry, block_q, block_k, leftwards=True,
+                                           between=after_diagonal if rope else None,
+                                           stop=lambda carry: jnp.min(carry[0]) >= st.spent)
     o_ref[...] = acc.astype(o_ref.dtype)
-    rem_ref[...] = _exp(-c, st)
+    rem_ref[...] = _exp(-c, st)  # (exactly 0 once spent, as the whole sum would give)
+    if save_sums:  # the blocks left unwalked: spent for every row, their sums >= `spent` (A = 0)
+        spent_ref[...] = spent[0] + unwalked
+
+        def fill(block, nothing):
+            c_ref[block, :] = c
+            return nothing
+
+        jax.lax.fori_loop(0, unwalked, fill, None)
 
 
 def _publish(flags_ref, index, st: _Static):
@@ -376,10 +403,12 @@ def _publish(flags_ref, index, st: _Static):
 
 
 def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
-    """-> out, rem, the softplus sums at the key-block boundaries when save_sums and, with RoPE,
-    q and k rotated (the key tiles shared by the programs of a kv head, see `keys`)."""
+    """-> out, rem, when save_sums the softplus sums at the key-block boundaries and per row the
+    number of key blocks its stick is spent on (from key 0; int32 [B, H, S]) and, with RoPE, q and
+    k rotated (the key tiles shared by the programs of a kv head, see `keys`)."""
     if st.mosaic:
-        return stick_breaking_mosaic.stick_breaking_forward(q, k, v, decay, st.spec, save_sums=save_sums)
+        return stick_breaking_mosaic.stick_breaking_forward(q, k, v, decay, st.spec, save_sums=save_sums,
+                                                            spent=st.spent)
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
@@ -393,10 +422,12 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
     tris = _triangles(st.blocks.block_k, st, k_major=False)
     in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec(decay.shape, lambda *_: (0,)),
                 pl.BlockSpec(tris.shape, lambda *_: (0, 0, 0)), *side_specs]
-    out_specs = [q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] + [sums_spec] * save_sums
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    out_specs = [q_spec, row_spec] + [sums_spec, row_spec] * save_sums
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)]
-    out_shape += [jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32)] * save_sums
+    out_shape += [jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32),
+                  jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.int32)] * save_sums
     args = [q, k, v, decay, tris, *side_args]
     aliases = {}
     if st.spec.rope is not None:  # + q, k rotated and the flags of the published key blocks
@@ -425,8 +456,10 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, tri_ref, *refs, st: _Static):
-    """dQ and the per-row decay gradient; stores the g sums at every key-block boundary."""
+def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, first_ref, tri_ref, *refs, st: _Static):
+    """dQ and the per-row decay gradient; stores the g sums at every key-block boundary. The key
+    blocks left of `first` (every row's stick spent) add exactly 0 and are not walked: their A are
+    0, so are their g, and g0 = drem rem = 0; their g sums are g0 (read by dK/dV)."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
     _, _, tables, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
@@ -455,17 +488,26 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, tri_ref, *
         dq = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dq, k))
         return g_left + g.sum(axis=1), ddecay, dq
 
+    first, g0 = first_ref[pl.program_id(0)], g0_ref[...]
+
+    def fill(block, nothing):
+        g_ref[block, :] = g0
+        return nothing
+
+    jax.lax.fori_loop(0, first, fill, None)
     zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
-    carry = (g0_ref[...], jnp.zeros((block_q,), jnp.float32), tuple(zeros for _ in q))
-    _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False)
+    carry = (g0, jnp.zeros((block_q,), jnp.float32), tuple(zeros for _ in q))
+    _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first)
     if spec.rope is not None:
         dq = _rotate(dq, _rope_cos_sin(tables[0]), jnp.float32, inverse=True)
     _store_parts(dq_ref, tuple(x * spec.scale for x in dq), spec, head_dim)
     ddecay_ref[...] = ddecay
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, tri_ref, *refs, st: _Static):
-    """One program per (key block, batch, kv head); loops over (query block, group head)."""
+def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, end_ref, tri_ref, *refs, st: _Static):
+    """One program per (key block, batch, kv head); loops over (query block, group head), up to the
+    query block `end` (past it every row's stick is spent left of this key block: its tiles add
+    exactly 0)."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
     _, _, tables, (dk_ref, dv_ref) = _unpack(refs, spec)
@@ -503,19 +545,37 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, tri_ref, 
     lo = (first_col + 1) // block_q  # first query block with a row > the first key
     full = (first_col + block_k - 1) // block_q + 1  # from here every row > every key
     full = jnp.minimum(full, num_q_blocks)
+    end = jnp.maximum(full, jnp.minimum(end_ref[pl.program_id(0)], num_q_blocks))
     zeros = jnp.zeros((block_k, head_dim // len(k)), jnp.float32)
     carry = (tuple(zeros for _ in k), jnp.zeros((block_k, head_dim), jnp.float32))
     carry = jax.lax.fori_loop(lo * group, full * group, functools.partial(body, masked=True), carry)
-    dk, dv = jax.lax.fori_loop(full * group, num_q_blocks * group, functools.partial(body, masked=False), carry)
+    dk, dv = jax.lax.fori_loop(full * group, end * group, functools.partial(body, masked=False), carry)
     if spec.rope is not None:
         dk = _rotate(dk, _rope_cos_sin(tables[1]), jnp.float32, inverse=True)
     _store_parts(dk_ref, tuple(x * spec.scale for x in dk), spec, head_dim)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
-    """g0 [B, H, S] = drem * rem; c_sums: the forward's softplus sums at key-block boundaries.
-    With RoPE q and k are rotated already (the forward's outputs); dQ and dK are rotated back."""
+def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, num_k_blocks: int):
+    """From the rows' spent key blocks (the forward's, [B, H, S]): per dQ query block the first key
+    block to walk (its rows' least), [B, H, query blocks]; per key block where the dK/dV walk over
+    query blocks of block_q_dkv rows ends, [B, Hkv, key blocks]: past the last query block with a
+    row, in any head of the group, whose stick is not spent there (query blocks within the walk
+    whose sticks are spent add exactly 0: their sums say so). Padded to powers of two (Triton)."""
+    batch, num_heads, seq_pad = spent.shape
+    first = spent.reshape(batch, num_heads, seq_pad // block_q, block_q).min(axis=3)
+    needs = spent.reshape(batch, num_heads // group, group, seq_pad // block_q_dkv, block_q_dkv).min(axis=(2, 4))
+    # query block i needs the key blocks from needs_i on: end_j = 1 + max{i : needs_i <= j}
+    b, h, i = jnp.indices(needs.shape)
+    end = jnp.zeros((batch, num_heads // group, num_k_blocks), jnp.int32).at[b, h, needs].max(i + 1)
+    end = jax.lax.cummax(end, axis=2)
+    return _pad_axis(first, 2, pow2_at_least(first.shape[2])), _pad_axis(end, 2, pow2_at_least(num_k_blocks))
+
+
+def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums, spent):
+    """g0 [B, H, S] = drem * rem; c_sums, spent: the forward's softplus sums at key-block boundaries
+    and the rows' spent key blocks. With RoPE q and k are rotated already (the forward's outputs);
+    dQ and dK are rotated back."""
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
@@ -528,6 +588,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
     tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
     tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
+    first, end = _spent_bounds(spent, bq, blocks.block_q_dkv, group, num_k_blocks)
 
     # dQ (+ the per-row decay gradient, + the g sums at each key-block boundary)
     q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
@@ -541,12 +602,13 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
         functools.partial(_dq_kernel, st=st),
         grid=(seq_pad // bq, batch, num_heads),
         in_specs=[q_block_spec, kv_full_spec, kv_full_spec, decay_spec, q_block_spec, row_spec,
-                  boundary_spec, tri_spec, *side_specs],
+                  boundary_spec, pl.BlockSpec((None, None, first.shape[2]), lambda i, b, h: (b, h, 0)),
+                  tri_spec, *side_specs],
         out_specs=[q_block_spec, row_spec, boundary_spec],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32), boundary],
         compiler_params=params, interpret=st.interpret, name="stick_breaking_bwd_dq",
-    )(q, k, v, decay, do, g0, c_sums, tris[0], *side_args)
+    )(q, k, v, decay, do, g0, c_sums, first, tris[0], *side_args)
 
     # dK/dV: query-side arrays viewed per kv head
     q_group_spec = pl.BlockSpec((None, seq_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
@@ -559,11 +621,12 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums):
         functools.partial(_dkdv_kernel, st=st),
         grid=(num_k_blocks, batch, num_kv_heads),
         in_specs=[q_group_spec, kv_block_spec, kv_block_spec, decay_spec, q_group_spec,
-                  boundary_group_spec, boundary_group_spec, tri_spec, *side_specs],
+                  boundary_group_spec, boundary_group_spec,
+                  pl.BlockSpec((None, None, end.shape[2]), lambda j, b, h: (b, h, 0)), tri_spec, *side_specs],
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=dkdv_params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
-    )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), tris[1],
+    )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), end, tris[1],
       *side_args)
     return dq, dk, dv, ddecay
 
@@ -580,9 +643,9 @@ def _stick_breaking(st, q, k, v, decay, table):
 
 
 def _stick_breaking_fwd(st, q, k, v, decay, table):
-    out, rem, c_sums, *rotated = _fwd_call(st, q, k, v, decay, table, save_sums=True)
+    out, rem, c_sums, spent, *rotated = _fwd_call(st, q, k, v, decay, table, save_sums=True)
     q, k = rotated or (q, k)  # with RoPE the backward needs q, k only rotated
-    return (out, rem), (q, k, v, decay, table, rem, c_sums)
+    return (out, rem), (q, k, v, decay, table, rem, c_sums, spent)
 
 
 def _sum_compensated(x):
@@ -607,9 +670,9 @@ def _sum_compensated(x):
 
 
 def _stick_breaking_bwd(st, residuals, cotangents):
-    q, k, v, decay, table, rem, c_sums = residuals
+    q, k, v, decay, table, rem, c_sums, spent = residuals
     do, drem = cotangents
-    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, c_sums)
+    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, c_sums, spent)
     ddecay = _sum_compensated(jnp.moveaxis(ddecay, 1, 0).reshape(ddecay.shape[1], -1))  # [H]
     return dq, dk, dv, _pad_axis(ddecay, 0, decay.shape[0]), None
 
@@ -619,7 +682,7 @@ _stick_breaking.defvjp(_stick_breaking_fwd, _stick_breaking_bwd)
 
 def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
                           blocks: StickBreakingBlocks | None = None, interpret: bool | None = None,
-                          forward: str = "pallas_triton"):
+                          forward: str = "pallas_triton", skip_spent: bool = True):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D], decay [Hq] fp32 (validated) -> (out, rem [B, Hq, S]).
 
     pos [B, S] int32 RoPE positions when spec.rope (None: arange). Pads D to a power of two and S to a tile
@@ -627,6 +690,8 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     sliced off and, with zero cotangents, add exactly zero to dK/dV. `forward="mosaic_gpu"`: the
     forward on the Hopper kernel (`stick_breaking_mosaic`, which says what it serves), the
     backward here (its tiles then keep block_k = 64, the forward's key-block boundaries).
+    `skip_spent=False` walks the tiles of spent sticks too (`_Static.spent`): the same results,
+    bit for bit (the tests hold the skipping to that).
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -653,6 +718,6 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
     vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
     decay_pad = _pad_axis(decay.astype(jnp.float32), 0, pow2_at_least(decay.shape[0]))
-    st = _Static(spec, blocks, interpret, jnp.dtype(q.dtype), mosaic=mosaic)
+    st = _Static(spec, blocks, interpret, jnp.dtype(q.dtype), mosaic=mosaic, skip=skip_spent)
     out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]

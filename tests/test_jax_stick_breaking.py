@@ -91,6 +91,37 @@ def test_fp16_huge_logits():
     _check_huge_logits(jnp.float16, "pallas_triton")
 
 
+@pytest.mark.parametrize("dtype, rope", [(jnp.float32, None), (jnp.float16, Rope(base=500.0, style="half"))],
+                         ids=["fp32", "fp16_rope"])
+def test_spent_sticks_are_skipped_exactly(dtype, rope):
+    """Logits ~ N(0, 5.7^2) (scale 1): a key's softplus is ~2.3 nats, so a row's stick is spent
+    after ~50 keys (A < 2^-152, zero in fp32) and the kernels skip the tiles left of that
+    (`_Static.spent`). The skipping changes no bit: out, rem and every gradient equal the dense
+    walk's; and they hold the rule of the golden."""
+    from jax_attn.spec import AttentionSpec
+    from jax_attn.stick_breaking_pallas import _Static, _stick_breaking_fwd, default_stick_breaking_blocks
+    from jax_attn.stick_breaking_pallas import stick_breaking_pallas
+
+    shape, decay = (1, 208, 4, 2, 32), np.array([0.0, 0.01, 0.0, 0.1])
+    check(shape, dtype=dtype, decay=decay, scale=1.0, rope=rope)
+    q, k, v, do, drem = (jnp.asarray(x, dtype) for x in _draw(0, *shape))
+    decay = jnp.asarray(decay, jnp.float32)
+    spec = AttentionSpec(scale=1.0, causal=True, rope=rope, precision=jax.lax.Precision.HIGHEST)
+
+    def run(skip):
+        f = lambda *a: stick_breaking_pallas(*a, spec, skip_spent=skip)
+        outs, vjp = jax.vjp(f, q, k, v, decay)
+        return [*outs, *vjp((do, drem.astype(jnp.float32)))]
+
+    for name, skipped, dense in zip(NAMES, run(True), run(False)):
+        np.testing.assert_array_equal(skipped, dense, err_msg=name)
+    if rope is None:  # and tiles were skipped: the forward's spent key blocks (of 16 keys) per row
+        st = _Static(spec, default_stick_breaking_blocks(32, True, dtype), True, jnp.dtype(dtype))
+        spent = np.asarray(_stick_breaking_fwd(st, q, k, v, decay, None)[1][-1])[0]
+        # heads 0-2 spend from row ~80 on; head 3's decay (0.1) keeps far keys' softplus tiny
+        assert spent[:3, 96:].min() > 0 and spent[:3, -1].min() >= 6, spent
+
+
 def test_definition_and_edge_rows():
     """Against a direct product-of-sticks loop; row 0 gets out 0, rem 1, no NaN anywhere."""
     q, k, v, _, _ = _draw(3, 1, 9, 1, 1, 16)
