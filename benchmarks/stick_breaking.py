@@ -14,6 +14,14 @@ learnable: its gradient is computed too):
   sb_xla        the plain-jnp stick-breaking ([B, H, S, S] in memory: run at a shorter S)
   torch_sb      torch_ref.stick_breaking_attention (Triton kernels), timed with CUDA events
 Targets (issue 4): sb fwd+bwd >= 0.6x the TFLOP/s of causal softmax; >= 20x the plain-jnp path.
+
+Two kinds of data, because the kernels skip the tiles of spent sticks (`_Static.spent`: where a
+row's softplus sum reaches 2^152, every A left of it is exactly 0 in fp32):
+  normal   q, k, v ~ N(0, 1): logits ~ N(0, 1), a key's softplus ~0.8 nats, so a row's stick is
+           spent ~130 keys left of it and most tiles of a long row are skipped;
+  unspent  the same, with q[..., 0] = 8 and k[..., 0] = -8: logits ~ N(-5.7, 1), softplus ~0.006
+           nats, sums < 105 nats over 8192 keys: no stick is spent, every tile is walked (the
+           kernels' dense speed). Rows "sb", "sb_triton", "sb+rope" run on both ("<impl>@unspent").
 FLOPs counted as for causal attention (2*B*S*S*H*D fwd, x3.5 for fwd+bwd), so the TF/s compare
 directly with benchmarks/attention.py (the extra cumsum and transcendentals are not counted).
 """
@@ -90,28 +98,34 @@ def main(argv=None) -> int:
     name, kind, _ = device_info(False)
     rows = []
 
-    def bench(impl, f, seq, mode):
+    def bench(impl, f, seq, mode, data="normal"):
         keys = jax.random.split(jax.random.key(0), 4)
         q, k, v, do = (jax.random.normal(kk, (B, seq, H, D), jnp.bfloat16) for kk in keys)
-        row = dict(impl=impl, mode=mode, B=B, S=seq, H=H, D=D, causal=True, dtype="bfloat16")
+        if data == "unspent":  # logits ~ N(-5.7, 1): see the module doc
+            q, k = q.at[..., 0].set(8.0), k.at[..., 0].set(-8.0)
+            impl = f"{impl}@unspent"
+        row = dict(impl=impl, mode=mode, B=B, S=seq, H=H, D=D, causal=True, dtype="bfloat16", data=data)
         try:
             g = jax.jit(f) if mode == "fwd" else jax.jit(_make_fwdbwd(f))
             call_args = (q, k, v) if mode == "fwd" else (q, k, v, do)
             ms, _, first_s = time_jax(g, call_args, args.target_ms, args.repeats)
             row.update(ms=ms, tflops=flops(B, seq, H, D, True, mode) / (ms * 1e-3) / 1e12, first_call_s=first_s)
-            log(f"S={seq:6d} {mode:7s} {impl:9s} {ms:9.3f} ms {row['tflops']:7.1f} TF/s")
+            log(f"S={seq:6d} {mode:7s} {impl:17s} {ms:9.3f} ms {row['tflops']:7.1f} TF/s")
         except Exception as e:  # recorded, the run goes on
             row["error"] = f"{type(e).__name__}: {e}"[:500]
-            log(f"S={seq:6d} {mode:7s} {impl:9s} error {row['error'][:160]}")
+            log(f"S={seq:6d} {mode:7s} {impl:17s} error {row['error'][:160]}")
         rows.append(row)
 
     for mode in ("fwd", "fwdbwd"):
         for impl, f in candidates(H).items():
             if impl == "sb_xla":
                 bench("sb", candidates(H)["sb"], args.xla_seq, mode)  # the kernel at the xla length
+                bench("sb", candidates(H)["sb"], args.xla_seq, mode, data="unspent")
                 bench(impl, f, args.xla_seq, mode)
             else:
                 bench(impl, f, S, mode)
+                if impl.startswith("sb"):
+                    bench(impl, f, S, mode, data="unspent")
         if not args.no_torch:
             row = dict(impl="torch_sb", mode=mode, B=B, S=S, H=H, D=D, causal=True, dtype="bfloat16")
             try:
@@ -133,13 +147,15 @@ def main(argv=None) -> int:
                 bench(f"sweep{cfg}", f, S, mode)
 
     ms = {(r["impl"], r["mode"], r["S"]): r.get("ms") for r in rows}
-    print("\n| mode | softmax ms | sb ms | sb_triton ms | sb+rope ms | torch_sb ms | sb TF/s / softmax TF/s "
-          f"| sb_xla / sb (S={args.xla_seq}) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| mode | data | softmax ms | sb ms | sb_triton ms | sb+rope ms | torch_sb ms "
+          f"| sb TF/s / softmax TF/s | sb_xla / sb (S={args.xla_seq}) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode in ("fwd", "fwdbwd"):
-        t = [ms.get((i, mode, S)) for i in ("softmax", "sb", "sb_triton", "sb+rope", "torch_sb")]
-        fast, slow = ms.get(("sb", mode, args.xla_seq)), ms.get(("sb_xla", mode, args.xla_seq))
-        print(ms_table_row((mode,), t, [(t[0], t[1]), (slow, fast)]))
+        for data, tag in (("normal", ""), ("unspent", "@unspent")):
+            t = [ms.get((i, mode, S)) for i in ("softmax", "sb" + tag, "sb_triton" + tag, "sb+rope" + tag)]
+            t.append(ms.get(("torch_sb", mode, S)))
+            fast, slow = ms.get(("sb" + tag, mode, args.xla_seq)), ms.get(("sb_xla", mode, args.xla_seq))
+            print(ms_table_row((mode, data), t, [(t[0], t[1]), (slow, fast)]))
     save_run(args.out, "stick-breaking", kind, name, rows, jax_attn_device=str(jax_attn.device_info()))
     return 0
 

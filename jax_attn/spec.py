@@ -22,9 +22,12 @@ LOG2E = math.log2(math.e)  # the kernels exponentiate in base 2
 # rounding (fp16 overflows at 65504); one such term makes every A left of it 2^-256, zero in fp32.
 SP_CAP = 256.0
 # Stick-breaking: a row whose softplus sum right of a key block reaches SPENT (base 2) has spent its
-# stick there: every A left of it is 2^-SPENT or less, which rounds to exactly 0 in fp32 (the
-# smallest subnormal is 2^-149), so the kernels skip those tiles and the results stay bit-equal.
+# stick there: every A left of it is 2^-SPENT or less, exactly 0 in fp32 (2^-150 rounds to 0), so
+# the kernels skip those tiles and the results stay bit-equal. On the GPU A is ex2.approx.ftz,
+# which flushes results below 2^-126 to 0: there SPENT_FTZ suffices (2 below, for the
+# approximation's error).
 SPENT = 152.0
+SPENT_FTZ = 128.0
 
 
 def pow2_at_least(n: int, minimum: int = 16) -> int:

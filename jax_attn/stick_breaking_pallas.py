@@ -40,7 +40,7 @@ from jax_attn import stick_breaking_mosaic
 from jax_attn.pallas_triton import (
     MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
     _side_specs_and_args, _store_parts, _unpack, rope_tables)
-from jax_attn.spec import LOG2E, SP_CAP, SPENT, AttentionSpec, padded_head_dim, pow2_at_least
+from jax_attn.spec import LOG2E, SP_CAP, SPENT, SPENT_FTZ, AttentionSpec, padded_head_dim, pow2_at_least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +104,12 @@ class _Static:
     @property
     def spent(self) -> float:
         """The softplus sum (in the kernel's log units) from which a row's stick is spent: every A
-        left of it rounds to exactly 0 in fp32 (`spec.SPENT`), so its tiles add exactly nothing."""
+        left of it is exactly 0 in fp32 (`spec.SPENT`; SPENT_FTZ where A is ex2.approx.ftz, as in
+        the Mosaic forward too), so its tiles add exactly nothing."""
         if not self.skip:
             return float("inf")
+        if self.ptx:
+            return SPENT_FTZ
         return SPENT if self.fast else SPENT / LOG2E
 
     @property

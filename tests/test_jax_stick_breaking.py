@@ -91,35 +91,55 @@ def test_fp16_huge_logits():
     _check_huge_logits(jnp.float16, "pallas_triton")
 
 
-@pytest.mark.parametrize("dtype, rope", [(jnp.float32, None), (jnp.float16, Rope(base=500.0, style="half"))],
-                         ids=["fp32", "fp16_rope"])
-def test_spent_sticks_are_skipped_exactly(dtype, rope):
-    """Logits ~ N(0, 5.7^2) (scale 1): a key's softplus is ~2.3 nats, so a row's stick is spent
-    after ~50 keys (A < 2^-152, zero in fp32) and the kernels skip the tiles left of that
-    (`_Static.spent`). The skipping changes no bit: out, rem and every gradient equal the dense
-    walk's; and they hold the rule of the golden."""
+def _check_skipping(shape, dtype, decay, scale, rope=None, forward="pallas_triton"):
+    """The kernels skip the tiles of spent sticks (`_Static.spent`): out, rem and every gradient
+    equal the dense walk's bit for bit, and hold the rule of the golden. Returns the forward's
+    spent key blocks per row [Hq, S] (without RoPE; S a tile multiple, D a power of two)."""
     from jax_attn.spec import AttentionSpec
     from jax_attn.stick_breaking_pallas import _Static, _stick_breaking_fwd, default_stick_breaking_blocks
     from jax_attn.stick_breaking_pallas import stick_breaking_pallas
 
-    shape, decay = (1, 208, 4, 2, 32), np.array([0.0, 0.01, 0.0, 0.1])
-    check(shape, dtype=dtype, decay=decay, scale=1.0, rope=rope)
+    check(shape, dtype=dtype, decay=decay, scale=scale, rope=rope, implementation=forward)
     q, k, v, do, drem = (jnp.asarray(x, dtype) for x in _draw(0, *shape))
     decay = jnp.asarray(decay, jnp.float32)
-    spec = AttentionSpec(scale=1.0, causal=True, rope=rope, precision=jax.lax.Precision.HIGHEST)
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    spec = AttentionSpec(scale=scale, causal=True, rope=rope, precision=precision)
 
     def run(skip):
-        f = lambda *a: stick_breaking_pallas(*a, spec, skip_spent=skip)
+        f = lambda *a: stick_breaking_pallas(*a, spec, forward=forward, skip_spent=skip)
         outs, vjp = jax.vjp(f, q, k, v, decay)
         return [*outs, *vjp((do, drem.astype(jnp.float32)))]
 
     for name, skipped, dense in zip(NAMES, run(True), run(False)):
         np.testing.assert_array_equal(skipped, dense, err_msg=name)
-    if rope is None:  # and tiles were skipped: the forward's spent key blocks (of 16 keys) per row
-        st = _Static(spec, default_stick_breaking_blocks(32, True, dtype), True, jnp.dtype(dtype))
-        spent = np.asarray(_stick_breaking_fwd(st, q, k, v, decay, None)[1][-1])[0]
-        # heads 0-2 spend from row ~80 on; head 3's decay (0.1) keeps far keys' softplus tiny
+    if rope is None:
+        interpret = jax.default_backend() == "cpu"
+        blocks = default_stick_breaking_blocks(shape[-1], interpret, dtype)
+        st = _Static(spec, blocks, interpret, jnp.dtype(dtype), mosaic=forward == "mosaic_gpu")
+        return np.asarray(_stick_breaking_fwd(st, q, k, v, decay, None)[1][-1])[0]
+
+
+@pytest.mark.parametrize("dtype, rope", [(jnp.float32, None), (jnp.float16, Rope(base=500.0, style="half"))],
+                         ids=["fp32", "fp16_rope"])
+def test_spent_sticks_are_skipped_exactly(dtype, rope):
+    """Logits ~ N(0, 5.7^2) (scale 1): a key's softplus is ~2.3 nats, so a row's stick is spent
+    after ~50 keys (A < 2^-152, zero in fp32) and the kernels skip the tiles left of that."""
+    spent = _check_skipping((1, 208, 4, 2, 32), dtype, [0.0, 0.01, 0.0, 0.1], 1.0, rope)
+    if rope is None:  # tiles were skipped: heads 0-2 spend from row ~80 on (blocks of 16 keys);
+        # head 3's decay (0.1) keeps far keys' softplus tiny
         assert spent[:3, 96:].min() > 0 and spent[:3, -1].min() >= 6, spent
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("forward", ["pallas_triton", "mosaic_gpu"])
+def test_gpu_spent_sticks_are_skipped_exactly(forward):
+    """bf16, logits ~ N(0, 1), decay 0 or 0.01: rows spend their sticks (A < 2^-128, which
+    ex2.approx.ftz flushes to 0) some 100 to 300 keys left of them, so most tiles are skipped;
+    bit-equal to the dense walk (both forwards; the backward is the Triton kernels')."""
+    assert jax.default_backend() == "gpu", "gpu tests need a GPU"
+    spent = _check_skipping((1, 2048, 4, 2, 128), jnp.bfloat16, [0.0, 0.01, 0.0, 0.01], 128 ** -0.5,
+                            forward=forward)
+    assert spent[:, 512:].min() > 0 and spent[:, -1].min() >= 20, spent  # of 32 blocks of 64 keys
 
 
 def test_definition_and_edge_rows():
