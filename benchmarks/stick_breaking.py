@@ -19,9 +19,11 @@ Two kinds of data, because the kernels skip the tiles of spent sticks (`_Static.
 row's softplus sum reaches 2^152, every A left of it is exactly 0 in fp32):
   normal   q, k, v ~ N(0, 1): logits ~ N(0, 1), a key's softplus ~0.8 nats, so a row's stick is
            spent ~130 keys left of it and most tiles of a long row are skipped;
-  unspent  the same, with q[..., 0] = 8 and k[..., 0] = -8: logits ~ N(-5.7, 1), softplus ~0.006
-           nats, sums < 105 nats over 8192 keys: no stick is spent, every tile is walked (the
-           kernels' dense speed). Rows "sb", "sb_triton", "sb+rope" run on both ("<impl>@unspent").
+  unspent  the same, with features 63 and 127 of q set to 8 and of k to -8: logits ~ N(-11.3, 1)
+           (with RoPE "half" those features are the slowest pair, 0.94 rad over 8192 positions:
+           logits ~ N(-6.7, 1) or lower), softplus < 0.002 nats, sums far below 128 base 2 over
+           8192 keys: no stick is spent, every tile is walked (the kernels' dense speed). Rows
+           "sb", "sb_triton", "sb+rope" run on both ("<impl>@unspent").
 FLOPs counted as for causal attention (2*B*S*S*H*D fwd, x3.5 for fwd+bwd), so the TF/s compare
 directly with benchmarks/attention.py (the extra cumsum and transcendentals are not counted).
 """
@@ -101,8 +103,8 @@ def main(argv=None) -> int:
     def bench(impl, f, seq, mode, data="normal"):
         keys = jax.random.split(jax.random.key(0), 4)
         q, k, v, do = (jax.random.normal(kk, (B, seq, H, D), jnp.bfloat16) for kk in keys)
-        if data == "unspent":  # logits ~ N(-5.7, 1): see the module doc
-            q, k = q.at[..., 0].set(8.0), k.at[..., 0].set(-8.0)
+        if data == "unspent":  # logits ~ N(-11.3, 1): see the module doc
+            q, k = (x.at[..., D // 2 - 1].set(a).at[..., D - 1].set(a) for x, a in ((q, 8.0), (k, -8.0)))
             impl = f"{impl}@unspent"
         row = dict(impl=impl, mode=mode, B=B, S=seq, H=H, D=D, causal=True, dtype="bfloat16", data=data)
         try:

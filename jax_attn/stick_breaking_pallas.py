@@ -266,6 +266,9 @@ def _barrier(st: _Static):
         plgpu.debug_barrier()
 
 
+WALK_CHUNK = 8  # key blocks walked between the forward's checks for spent sticks
+
+
 def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, between=None, stop=None,
               first=0):
     """Walk the key blocks a query block sees (keys j < its last row) in order, leftwards from the
@@ -284,8 +287,13 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, bet
         if between is not None:
             full = between(full)
         walking = lambda state: (state[0] < full) & jnp.logical_not(stop(state[1]))
-        step = lambda state: (state[0] + 1, unmasked(full - 1 - state[0], state[1]))
-        walked, carry = jax.lax.while_loop(walking, step, (jnp.int32(0), carry))
+
+        def chunk(state):  # a pipelined loop (a while loop is not: it cost the forward 1.23x)
+            walked, carry = state
+            n = jnp.minimum(WALK_CHUNK, full - walked)
+            return walked + n, jax.lax.fori_loop(0, n, lambda t, c: unmasked(full - 1 - walked - t, c), carry)
+
+        walked, carry = jax.lax.while_loop(walking, chunk, (jnp.int32(0), carry))
         return carry, full - walked
     carry = jax.lax.fori_loop(first, full, unmasked, carry)
     return jax.lax.fori_loop(full, hi, masked, carry)
