@@ -265,19 +265,23 @@ def test_mosaic_refuses_what_it_does_not_serve(dtype, kw, match):
         stick_breaking_attention(x, x, x, implementation="mosaic_gpu", **kw)
 
 
-def test_mosaic_default_rule_on_hopper(monkeypatch):
-    """implementation=None: "mosaic_gpu" where its forward serves the call on an sm90 GPU."""
+def test_default_is_the_triton_forward_on_hopper_too(monkeypatch):
+    """implementation=None picks "pallas_triton" on an sm90 GPU too, where "mosaic_gpu" would serve
+    the call: the Mosaic forward walks every tile, the Triton one skips the spent sticks'."""
     import jax_attn
-    from jax_attn import mosaic_gpu
+    from jax_attn import mosaic_gpu, stick_breaking, stick_breaking_mosaic
     from jax_attn.spec import AttentionSpec
-    from jax_attn.stick_breaking import default_implementation
 
     hopper = jax_attn.DeviceInfo("gpu", "NVIDIA H100 (pretended)", (9, 0), None, 132)
     monkeypatch.setattr(mosaic_gpu, "device_info", lambda: hopper)
-    pick = lambda dtype=jnp.bfloat16, head_dim=128, rope=None: default_implementation(
-        AttentionSpec(scale=1.0, causal=True, rope=rope), head_dim, dtype)
-    assert pick() == pick(jnp.float16, 64) == pick(head_dim=40) == "mosaic_gpu"
-    assert pick(rope=Rope()) == pick(jnp.float32) == pick(head_dim=256) == pick(head_dim=32) == "pallas_triton"
+    called = []
+    for name in stick_breaking.IMPLEMENTATIONS:
+        fake = lambda q, k, v, decay, spec, pos, name=name: (called.append(name), (q, None))[1]
+        monkeypatch.setitem(stick_breaking.IMPLEMENTATIONS, name, fake)
+    x = jnp.ones((1, 8, 4, 64), jnp.bfloat16)
+    assert stick_breaking_mosaic.unsupported_reason(AttentionSpec(scale=1.0, causal=True), 64, x.dtype) is None
+    stick_breaking_attention(x, x, x)
+    assert called == ["pallas_triton"]
 
 
 @pytest.mark.gpu
