@@ -9,7 +9,10 @@ order), as the Triton forward (`stick_breaking_pallas`) does, in base-2 log spac
   o += A V,  c += rowsum(sp),  and at the end rem = 2^-c.
 The transcendentals are the approximate MUFU instructions (`approx_math`; lg2 directly, `_log2`).
 With `save_sums` it stores c at every key-block boundary ([B, H, key blocks, S], the layout the
-Triton backward reads), so its backward is the Triton engine's (`stick_breaking_pallas._bwd_call`).
+Triton backward reads) and counts per row the key blocks whose c reaches `spent` (the backward
+skips their tiles, `stick_breaking_pallas._spent_bounds`), so its backward is the Triton engine's
+(`stick_breaking_pallas._bwd_call`). It walks every tile itself: its producer warpgroup streams
+every key block, so ending a walk early would need the producer told too.
 
 The in-tile suffix sums are one product with a triangular 0/1 matrix on the tensor cores, of sp
 rounded to fp16 (for fp16 inputs the Triton kernels add a second product for the rounding's

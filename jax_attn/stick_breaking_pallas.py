@@ -23,6 +23,12 @@ walks rightwards, reads them and stores its g sums, and the dK/dV kernel (one pr
 block and kv head, looping over query blocks and the GQA group in one flat loop) reads both
 ([B, H, key blocks, S] fp32 each). No atomics: deterministic (as is the forward: its flags only
 order who reads a rotated block after it was written, never what is summed).
+Spent sticks. Once a row's softplus sum right of a key block reaches `_Static.spent`, every A
+left of it is exactly 0 in fp32, and so are those tiles' contributions to out, rem and every
+gradient (g = 0, and g0 = drem rem = 0). The forward ends its walk when all its rows are spent
+(checked every WALK_CHUNK blocks) and counts per row the spent key blocks; from those counts the
+dQ kernel starts at its rows' first unspent block and the dK/dV kernel ends its walk past the last
+query block that needs its key block (`_spent_bounds`). Bit-equal to walking every tile.
 The tile math is shared with the softmax engine (`pallas_triton`): RoPE feature parts, dots.
 """
 from __future__ import annotations
