@@ -273,7 +273,6 @@ def _barrier(st: _Static):
 
 
 WALK_CHUNK = 8  # key blocks walked between the forward's checks for spent sticks
-DKDV_STEP_SKIP = True  # PROBE
 
 
 def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, between=None, stop=None,
@@ -522,8 +521,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, first_ref,
     ddecay_ref[...] = ddecay
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, end_ref, needs_ref, tri_ref, *refs,
-                 st: _Static):
+def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, end_ref, tri_ref, *refs, st: _Static):
     """One program per (key block, batch, kv head); loops over (query block, group head), up to the
     query block `end` (past it every row's stick is spent left of this key block: its tiles add
     exactly 0)."""
@@ -536,43 +534,35 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, end_ref, 
     num_q_blocks = q_ref.shape[0] // block_q
     k = _load_parts(k_ref, (slice(None),), spec, head_dim)  # q, k rotated already
     v = v_ref[...]
-    key_block = pl.program_id(0)
-    first_col = key_block * block_k
+    first_col = pl.program_id(0) * block_k
     first_head = pl.program_id(2) * group
     cols = (first_col + jnp.arange(block_k))[:, None]
 
     def body(step, carry, masked):
+        dk, dv = carry
         i, g = step // group, step % group
         start = pl.multiple_of(i * block_q, block_q)
         tile = pl.ds(start, block_q)
         q = _load_parts(q_ref, (tile, g), spec, head_dim)
         do = do_ref[tile, g, :]
         lam = decay_ref[first_head + g]
-        c, g_left = c_ref[g, tile][None, :], g_ref[g, tile][None, :]
         rows = (start + jnp.arange(block_q))[None, :]
-
-        def tile_math(carry):
-            dk, dv = carry
-            z = _logits(q, k, spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
-            # dA next to the logits' product, before the tile math (H100, 2x8192x16x128 bf16:
-            # fwd+bwd 8.50 -> 8.42 ms, bit-equal; in the dQ kernel it took 8.51 -> 8.62)
-            da = _dot(v, do, spec, trans_b=True)
-            valid = cols < rows if masked else None
-            _, sigma, a = _stick(z, valid, c, 0, st, tris)
-            dz, _ = _dz(a, da, sigma, valid, g_left, 0, st, tris)
-            dv = dv + _dot(a.astype(do.dtype), do, spec)
-            dz = dz.astype(q_ref.dtype)
-            return tuple(acc + _dot(dz, part, spec) for acc, part in zip(dk, q)), dv
-
-        if masked or not DKDV_STEP_SKIP:
-            return tile_math(carry)
-        # the loads above stay outside the branch (Triton's pipeliner prefetches them)
-        return jax.lax.cond(needs_ref[step] <= key_block, tile_math, lambda carry: carry, carry)
+        z = _logits(q, k, spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
+        # dA next to the logits' product, before the tile math (H100, 2x8192x16x128 bf16: fwd+bwd
+        # 8.50 -> 8.42 ms, bit-equal; in the dQ kernel it took 8.51 -> 8.62)
+        da = _dot(v, do, spec, trans_b=True)
+        valid = cols < rows if masked else None
+        _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :], 0, st, tris)
+        dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], 0, st, tris)
+        dv = dv + _dot(a.astype(do.dtype), do, spec)
+        dz = dz.astype(q_ref.dtype)
+        dk = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dk, q))
+        return dk, dv
 
     lo = (first_col + 1) // block_q  # first query block with a row > the first key
     full = (first_col + block_k - 1) // block_q + 1  # from here every row > every key
     full = jnp.minimum(full, num_q_blocks)
-    end = jnp.maximum(full, jnp.minimum(end_ref[key_block], num_q_blocks))
+    end = jnp.maximum(full, jnp.minimum(end_ref[pl.program_id(0)], num_q_blocks))
     zeros = jnp.zeros((block_k, head_dim // len(k)), jnp.float32)
     carry = (tuple(zeros for _ in k), jnp.zeros((block_k, head_dim), jnp.float32))
     carry = jax.lax.fori_loop(lo * group, full * group, functools.partial(body, masked=True), carry)
@@ -591,15 +581,12 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, num_k_block
     whose sticks are spent add exactly 0: their sums say so). Padded to powers of two (Triton)."""
     batch, num_heads, seq_pad = spent.shape
     first = spent.reshape(batch, num_heads, seq_pad // block_q, block_q).min(axis=3)
-    per_head = spent.reshape(batch, num_heads // group, group, seq_pad // block_q_dkv, block_q_dkv).min(axis=4)
-    steps = jnp.swapaxes(per_head, 2, 3).reshape(batch, num_heads // group, -1)  # in dK/dV's step order
-    needs = per_head.min(axis=2)
+    needs = spent.reshape(batch, num_heads // group, group, seq_pad // block_q_dkv, block_q_dkv).min(axis=(2, 4))
     # query block i needs the key blocks from needs_i on: end_j = 1 + max{i : needs_i <= j}
     b, h, i = jnp.indices(needs.shape)
     end = jnp.zeros((batch, num_heads // group, num_k_blocks), jnp.int32).at[b, h, needs].max(i + 1)
     end = jax.lax.cummax(end, axis=2)
-    pad = lambda x: _pad_axis(x, 2, pow2_at_least(x.shape[2]))
-    return pad(first), pad(end), pad(steps)
+    return _pad_axis(first, 2, pow2_at_least(first.shape[2])), _pad_axis(end, 2, pow2_at_least(num_k_blocks))
 
 
 def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums, spent):
@@ -618,7 +605,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums, spent):
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
     tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
     tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
-    first, end, steps = _spent_bounds(spent, bq, blocks.block_q_dkv, group, num_k_blocks)
+    first, end = _spent_bounds(spent, bq, blocks.block_q_dkv, group, num_k_blocks)
 
     # dQ (+ the per-row decay gradient, + the g sums at each key-block boundary)
     q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
@@ -652,12 +639,11 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums, spent):
         grid=(num_k_blocks, batch, num_kv_heads),
         in_specs=[q_group_spec, kv_block_spec, kv_block_spec, decay_spec, q_group_spec,
                   boundary_group_spec, boundary_group_spec,
-                  pl.BlockSpec((None, None, end.shape[2]), lambda j, b, h: (b, h, 0)),
-                  pl.BlockSpec((None, None, steps.shape[2]), lambda j, b, h: (b, h, 0)), tri_spec, *side_specs],
+                  pl.BlockSpec((None, None, end.shape[2]), lambda j, b, h: (b, h, 0)), tri_spec, *side_specs],
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=dkdv_params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
-    )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), end, steps, tris[1],
+    )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), end, tris[1],
       *side_args)
     return dq, dk, dv, ddecay
 
