@@ -272,7 +272,10 @@ def _barrier(st: _Static):
         plgpu.debug_barrier()
 
 
-WALK_CHUNK = 8  # key blocks walked between the forward's checks for spent sticks
+# Key blocks the forward walks between its checks for spent sticks (H100, 2x8192x16x128 bf16, paired:
+# 4 as fast on N(0, 1) inputs, slower where nothing is spent, 2.14 against 2.10 ms; 16 slower on
+# N(0, 1), 0.69 against 0.54)
+WALK_CHUNK = 8
 
 
 def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, between=None, stop=None,
@@ -294,7 +297,7 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, bet
             full = between(full)
         walking = lambda state: (state[0] < full) & jnp.logical_not(stop(state[1]))
 
-        def chunk(state):  # a pipelined loop (a while loop is not: it cost the forward 1.23x)
+        def chunk(state):  # a pipelined loop: a while loop per block is not (the forward 1.23x slower)
             walked, carry = state
             n = jnp.minimum(WALK_CHUNK, full - walked)
             return walked + n, jax.lax.fori_loop(0, n, lambda t, c: unmasked(full - 1 - walked - t, c), carry)
