@@ -278,8 +278,8 @@ def _barrier(st: _Static):
 WALK_CHUNK = 8
 
 
-def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, between=None, stop=None,
-              first=0):
+def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, between=None,
+              stop=lambda carry: False, first=0):
     """Walk the key blocks a query block sees (keys j < its last row) in order, leftwards from the
     diagonal or rightwards to it; the diagonal tiles evaluate the mask j < i, the others do not.
     `body(block, carry, masked)`. Leftwards, `between(full)` runs after the diagonal tiles and
@@ -406,12 +406,18 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
     rem_ref[...] = _exp(-c, st)  # (exactly 0 once spent, as the whole sum would give)
     if save_sums:  # the blocks left unwalked: spent for every row, their sums >= `spent` (A = 0)
         spent_ref[...] = spent[0] + unwalked
+        _fill_blocks(c_ref, unwalked, c)
 
-        def fill(block, nothing):
-            c_ref[block, :] = c
-            return nothing
 
-        jax.lax.fori_loop(0, unwalked, fill, None)
+def _fill_blocks(ref, count, row):
+    """ref[block, :] = row for the key blocks [0, count): the boundary sums of the blocks a walk
+    skipped, which the dK/dV kernel may still read (its tiles there add exactly 0)."""
+
+    def store(block, nothing):
+        ref[block, :] = row
+        return nothing
+
+    jax.lax.fori_loop(0, count, store, None)
 
 
 def _publish(flags_ref, index, st: _Static):
@@ -509,12 +515,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, first_ref,
         return g_left + g.sum(axis=1), ddecay, dq
 
     first, g0 = first_ref[pl.program_id(0)], g0_ref[...]
-
-    def fill(block, nothing):
-        g_ref[block, :] = g0
-        return nothing
-
-    jax.lax.fori_loop(0, first, fill, None)
+    _fill_blocks(g_ref, first, g0)
     zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
     carry = (g0, jnp.zeros((block_q,), jnp.float32), tuple(zeros for _ in q))
     _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first)
