@@ -14,11 +14,17 @@ from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare
 NAMES = ("out", "rem", "dq", "dk", "dv", "ddecay")
 
 
-def _draw(seed, batch, seq_len, heads, kv_heads, head_dim):
+def _draw(seed, batch, seq_len, heads, kv_heads, head_dim, quiet=(), scale=1.0):
+    """q, k, v, dout, drem ~ N(0, 1). The rows `quiet` ((head, row) pairs) see logits of -5 (+ the
+    decay's): their q is -5 / scale on the last feature, where every key is 1."""
     rng = np.random.default_rng(seed)
     shapes = [(batch, seq_len, heads, head_dim), (batch, seq_len, kv_heads, head_dim),
               (batch, seq_len, kv_heads, head_dim), (batch, seq_len, heads, head_dim), (batch, heads, seq_len)]
-    return [rng.standard_normal(s) for s in shapes]  # q, k, v, dout, drem
+    arrays = [rng.standard_normal(s) for s in shapes]
+    for head, row in quiet:
+        arrays[0][:, row, head] = np.eye(head_dim)[-1] * (-5.0 / scale)
+        arrays[1][..., -1] = 1.0
+    return arrays
 
 
 def _run(arrays, dtype, decay, implementation, **kw):
@@ -33,9 +39,10 @@ def _run(arrays, dtype, decay, implementation, **kw):
     return [np.asarray(x, np.float64) for x in (out, rem, *grads)]
 
 
-def check(shape, dtype=jnp.float32, decay=0.0, seed=0, implementation="pallas_triton", held=NAMES, **kw):
+def check(shape, dtype=jnp.float32, decay=0.0, seed=0, implementation="pallas_triton", held=NAMES, quiet=(),
+          **kw):
     """Every quantity finite; those in `held` within the tolerance rule of the float64 golden."""
-    arrays = _draw(seed, *shape)
+    arrays = _draw(seed, *shape, quiet=quiet, scale=kw.get("scale", 1.0))
     with jax.enable_x64(True), jax.default_matmul_precision("highest"):
         golden = _run(arrays, jnp.float64, decay, "xla", **kw)
     with jax.default_matmul_precision("highest"):
@@ -91,16 +98,19 @@ def test_fp16_huge_logits():
     _check_huge_logits(jnp.float16, "pallas_triton")
 
 
-def _check_skipping(shape, dtype, decay, scale, rope=None, forward="pallas_triton"):
+def _check_skipping(shape, dtype, decay, scale, quiet, rope=None, forward="pallas_triton"):
     """The kernels skip the tiles of spent sticks (`_Static.spent`): out, rem and every gradient
-    equal the dense walk's bit for bit, and hold the rule of the golden. Returns the forward's
-    spent key blocks per row [Hq, S] (without RoPE; S a tile multiple, D a power of two)."""
+    equal the dense walk's bit for bit, and hold the rule of the golden. The `quiet` rows (logits
+    -5, in heads of decay 0) never spend their sticks (a key's softplus is 0.0067 nats) and their
+    far keys' A stay ~1e-3, so a tile of theirs left out shows in dk and dv. Without RoPE (S a
+    tile multiple, D a power of two) returns the forward's spent key blocks per row [Hq, S] and
+    how many steps each dK/dV program walked from its list (`_spent_bounds`) [Hkv, key blocks]."""
     from jax_attn.spec import AttentionSpec
-    from jax_attn.stick_breaking_pallas import _Static, _stick_breaking_fwd, default_stick_breaking_blocks
-    from jax_attn.stick_breaking_pallas import stick_breaking_pallas
+    from jax_attn.stick_breaking_pallas import _spent_bounds, _Static, _stick_breaking_fwd
+    from jax_attn.stick_breaking_pallas import default_stick_breaking_blocks, stick_breaking_pallas
 
-    check(shape, dtype=dtype, decay=decay, scale=scale, rope=rope, implementation=forward)
-    q, k, v, do, drem = (jnp.asarray(x, dtype) for x in _draw(0, *shape))
+    check(shape, dtype=dtype, decay=decay, scale=scale, rope=rope, implementation=forward, quiet=quiet)
+    q, k, v, do, drem = (jnp.asarray(x, dtype) for x in _draw(0, *shape, quiet=quiet, scale=scale))
     decay = jnp.asarray(decay, jnp.float32)
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     spec = AttentionSpec(scale=scale, causal=True, rope=rope, precision=precision)
@@ -116,7 +126,10 @@ def _check_skipping(shape, dtype, decay, scale, rope=None, forward="pallas_trito
         interpret = jax.default_backend() == "cpu"
         blocks = default_stick_breaking_blocks(shape[-1], interpret, dtype)
         st = _Static(spec, blocks, interpret, jnp.dtype(dtype), mosaic=forward == "mosaic_gpu")
-        return np.asarray(_stick_breaking_fwd(st, q, k, v, decay, None)[1][-1])[0]
+        spent = _stick_breaking_fwd(st, q, k, v, decay, None)[1][-1]
+        group = shape[2] // shape[3]
+        _, bounds, _ = _spent_bounds(spent, blocks.block_q, blocks.block_q_dkv, group, blocks.block_k)
+        return np.asarray(spent)[0], np.asarray(bounds)[0, :, 1, :shape[1] // blocks.block_k]
 
 
 @pytest.mark.parametrize("dtype, rope", [(jnp.float32, None), (jnp.float16, Rope(base=500.0, style="half"))],
@@ -124,10 +137,42 @@ def _check_skipping(shape, dtype, decay, scale, rope=None, forward="pallas_trito
 def test_spent_sticks_are_skipped_exactly(dtype, rope):
     """Logits ~ N(0, 5.7^2) (scale 1): a key's softplus is ~2.3 nats, so a row's stick is spent
     after ~50 keys (A < 2^-152, zero in fp32) and the kernels skip the tiles left of that."""
-    spent = _check_skipping((1, 208, 4, 2, 32), dtype, [0.0, 0.01, 0.0, 0.1], 1.0, rope)
+    found = _check_skipping((1, 208, 4, 2, 32), dtype, [0.0, 0.01, 0.0, 0.1], 1.0, [(0, 150), (0, 200)], rope)
     if rope is None:  # tiles were skipped: heads 0-2 spend from row ~80 on (blocks of 16 keys);
-        # head 3's decay (0.1) keeps far keys' softplus tiny
-        assert spent[:3, 96:].min() > 0 and spent[:3, -1].min() >= 6, spent
+        # head 3's decay (0.1) keeps far keys' softplus tiny, and the quiet rows 150 and 200 of head 0
+        spent, listed = found
+        assert (spent[:3, 96:] > 0).mean() > 0.95 and spent[:3, -1].min() >= 6, spent
+        assert spent[0, [150, 200]].max() == 0, spent
+        # the first key blocks' dK/dV programs walked (at least) the quiet rows' steps from their lists
+        assert listed[:, :2].min() >= 2, listed
+
+
+def test_spent_bounds_walk_exactly_the_needed_steps():
+    """`_spent_bounds` against a plain enumeration: each dK/dV program walks, past the diagonal's
+    steps, exactly the steps (query block, group head) with a row not spent at its key block,
+    each once and in order; each dQ block starts at its rows' first needed key block."""
+    from jax_attn.stick_breaking_pallas import _spent_bounds
+
+    batch, heads, group, seq, bq, bq_dkv, bk = 2, 4, 2, 512, 64, 32, 64
+    rng = np.random.default_rng(0)
+    rows = np.arange(seq)
+    reach = rng.integers(100, 300, (batch, heads, seq))  # a row spends its stick this far left
+    spent = np.maximum(rows - reach, 0) // bk
+    spent[rng.random(spent.shape) < 0.03] = 0  # rows that never spend theirs
+    first, bounds, extras = (np.asarray(x) for x in _spent_bounds(jnp.asarray(spent, jnp.int32), bq, bq_dkv, group, bk))
+    num_q, num_k = seq // bq_dkv, seq // bk
+    np.testing.assert_array_equal(first[..., :seq // bq], spent.reshape(batch, heads, -1, bq).min(axis=3))
+    needs = spent.reshape(batch, heads // group, group, num_q, bq_dkv).min(axis=4).swapaxes(2, 3)
+    needs = needs.reshape(batch, heads // group, num_q * group)
+    listed_somewhere = 0
+    for b, h, j in np.ndindex(batch, heads // group, num_k):
+        full = min((j * bk + bk - 1) // bq_dkv + 1, num_q) * group
+        near, count = bounds[b, h, :, j]
+        walked = [*range(full, near), *extras[b, h, j, :count]]
+        expected = [s for s in range(full, num_q * group) if needs[b, h, s] <= j]
+        assert walked == expected, (b, h, j)
+        listed_somewhere += count > 0
+    assert listed_somewhere >= 4, listed_somewhere  # lists were used (7 of the 32 programs), not only contiguous walks
 
 
 @pytest.mark.gpu
@@ -137,9 +182,12 @@ def test_gpu_spent_sticks_are_skipped_exactly(forward):
     ex2.approx.ftz flushes to 0) some 150 to 300 keys left of them, so most tiles are skipped;
     bit-equal to the dense walk (both forwards; the backward is the Triton kernels')."""
     assert jax.default_backend() == "gpu", "gpu tests need a GPU"
-    spent = _check_skipping((1, 2048, 4, 2, 128), jnp.bfloat16, [0.0, 0.01, 0.0, 0.01], 128 ** -0.5,
-                            forward=forward)
-    assert spent[:, 512:].min() > 0 and spent[:, -1].min() >= 20, spent  # of 32 blocks of 64 keys
+    quiet = [(0, 1500), (0, 2000), (2, 1800)]
+    spent, listed = _check_skipping((1, 2048, 4, 2, 128), jnp.bfloat16, [0.0, 0.01, 0.0, 0.01], 128 ** -0.5,
+                                    quiet, forward=forward)
+    assert (spent[:, 512:] > 0).mean() > 0.95 and spent[:, -1].min() >= 20, spent  # of 32 blocks of 64 keys
+    assert spent[0, [1500, 2000]].max() == 0 and spent[2, 1800] == 0, spent
+    assert listed[:, :16].min() >= 1, listed  # the quiet rows' steps, from the dK/dV walks' lists
 
 
 def test_definition_and_edge_rows():
