@@ -603,13 +603,14 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: in
     step = jnp.arange(num_q_blocks * group)[None, :]
     full = jnp.minimum((key_block * block_k + block_k - 1) // block_q_dkv + 1, num_q_blocks) * group
     needed = needs <= key_block
-    ends = (step >= full) & ~needed
-    near = jnp.where(ends.any(axis=3), jnp.argmax(ends, axis=3), num_q_blocks * group)
+    near = jnp.where((step >= full) & ~needed, step, num_q_blocks * group).min(axis=3)
     extra = needed & (step > near[..., None])
     num_steps = pow2_at_least(num_q_blocks * group)
-    slot = jnp.where(extra, jnp.cumsum(extra, axis=3) - 1, num_steps)  # out of range: dropped
-    b, h, j, s = jnp.indices(extra.shape)
-    extras = jnp.zeros((*extra.shape[:3], num_steps), jnp.int32).at[b, h, j, slot].set(s, mode="drop")
+    lists = extra.shape[:3]
+    row_start = (jnp.arange(np.prod(lists)) * num_steps).reshape(*lists, 1)
+    slot = jnp.where(extra, row_start + jnp.cumsum(extra, axis=3) - 1, np.prod(lists) * num_steps)  # else dropped
+    extras = jnp.zeros(np.prod(lists) * num_steps, jnp.int32).at[slot.ravel()].set(
+        jnp.broadcast_to(step, extra.shape).ravel(), mode="drop").reshape(*lists, num_steps)
     bounds = jnp.stack([near, extra.sum(axis=3)], axis=2).astype(jnp.int32)
     return (_pad_axis(first, 2, pow2_at_least(first.shape[2])), _pad_axis(bounds, 3, pow2_at_least(num_k_blocks)),
             extras)
