@@ -7,9 +7,9 @@ Run from the repository root: `PYTHONPATH=. python3 benchmarks/stick_breaking.py
 Rows (bf16, forward and forward+backward; default shape 2x8192x16x128, decay 0.01 per head,
 learnable: its gradient is computed too):
   softmax       jax_attn.flash_attention(causal=True)                (the reference speed)
-  sb            jax_attn.stick_breaking_attention, the default implementation (on Hopper the
-                Mosaic GPU forward, `stick_breaking_mosaic`, and the Pallas Triton backward)
-  sb_triton     the same on the Pallas Triton kernels alone (implementation="pallas_triton")
+  sb            jax_attn.stick_breaking_attention, the default implementation (the Pallas
+                Triton kernels, on Hopper too since session 12)
+  sb_triton     the same, named (implementation="pallas_triton")
   sb+rope       the same with fused RoPE (the ExpoSB layer's call)
   sb_xla        the plain-jnp stick-breaking ([B, H, S, S] in memory: run at a shorter S)
   torch_sb      torch_ref.stick_breaking_attention (Triton kernels), timed with CUDA events

@@ -27,8 +27,9 @@ Spent sticks. Once a row's softplus sum right of a key block reaches `_Static.sp
 left of it is exactly 0 in fp32, and so are those tiles' contributions to out, rem and every
 gradient (g = 0, and g0 = drem rem = 0). The forward ends its walk when all its rows are spent
 (checked every WALK_CHUNK blocks) and counts per row the spent key blocks; from those counts the
-dQ kernel starts at its rows' first unspent block and the dK/dV kernel ends its walk past the last
-query block that needs its key block (`_spent_bounds`). Bit-equal to walking every tile.
+dQ kernel starts at its rows' first unspent block and the dK/dV kernel walks only the query blocks
+that need its key block: on from the diagonal to the first that does not, then those past it that
+do, from a list (`_spent_bounds`). Bit-equal to walking every tile.
 The tile math is shared with the softmax engine (`pallas_triton`): RoPE feature parts, dots.
 """
 from __future__ import annotations
