@@ -483,18 +483,20 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, first_ref, tri_ref, *refs, st: _Static):
+def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, g0_ref, c_ref, first_ref, tri_ref, *refs,
+               st: _Static):
     """dQ and the per-row decay gradient; stores the g sums at every key-block boundary. The key
     blocks left of `first` (every row's stick spent) add exactly 0 and are not walked: their A are
-    0, so are their g, and g0 = drem rem = 0; their g sums are g0 (read by dK/dV)."""
+    0, so are their g, and g0 = drem rem = 0; their g sums are g0 (read by dK/dV). dO (and g0)
+    come scaled by the head's gradient unit (`_gradient_units`): so are the g sums."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
     _, _, tables, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
-    lam = decay_ref[pl.program_id(2)]
+    lam, unit = decay_ref[pl.program_id(2)], units_ref[pl.program_id(2)]
     q = _load_parts(q_ref, (slice(None),), spec, head_dim)  # q, k rotated already
-    do = do_ref[...]
+    do = (do_ref[...].astype(jnp.float32) * unit).astype(do_ref.dtype)
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
 
     def body(block, carry, masked):
@@ -522,16 +524,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, g0_ref, c_ref, first_ref,
     _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first)
     if spec.rope is not None:
         dq = _rotate(dq, _rope_cos_sin(tables[0]), jnp.float32, inverse=True)
-    _store_parts(dq_ref, tuple(x * spec.scale for x in dq), spec, head_dim)
-    ddecay_ref[...] = ddecay
+    _store_parts(dq_ref, tuple(x * (spec.scale / unit) for x in dq), spec, head_dim)
+    ddecay_ref[...] = ddecay / unit
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, bounds_ref, extras_ref, tri_ref, *refs,
-                 st: _Static):
+def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref, bounds_ref, extras_ref, tri_ref,
+                 *refs, st: _Static):
     """One program per (key block, batch, kv head); loops over the steps (query block, group head)
     whose rows see its keys: the diagonal's, then on up to the first step whose sticks are all
     spent left of this key block (its tile adds exactly 0), then only the steps past that one with
-    a stick still unspent there, from a list (`_spent_bounds`)."""
+    a stick still unspent there, from a list (`_spent_bounds`). dA comes scaled by the kv head's gradient unit (through v), as do
+    the dQ kernel's g sums, and dk is scaled back; dv takes dO as it is."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
     _, _, tables, (dk_ref, dv_ref) = _unpack(refs, spec)
@@ -540,9 +543,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, bounds_re
     block_q = st.blocks.block_q_dkv
     num_q_blocks = q_ref.shape[0] // block_q
     k = _load_parts(k_ref, (slice(None),), spec, head_dim)  # q, k rotated already
-    v = v_ref[...]
     first_col = pl.program_id(0) * block_k
     first_head = pl.program_id(2) * group
+    unit = units_ref[first_head]
+    v = (v_ref[...].astype(jnp.float32) * unit).astype(v_ref.dtype)  # only for dA
     cols = (first_col + jnp.arange(block_k))[:, None]
 
     def body(step, carry, masked):
@@ -578,7 +582,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, do_ref, c_ref, g_ref, bounds_re
     dk, dv = jax.lax.fori_loop(0, num_extras, lambda t, c: unmasked(extras_ref[t], c), carry)
     if spec.rope is not None:
         dk = _rotate(dk, _rope_cos_sin(tables[1]), jnp.float32, inverse=True)
-    _store_parts(dk_ref, tuple(x * spec.scale for x in dk), spec, head_dim)
+    _store_parts(dk_ref, tuple(x * (spec.scale / unit) for x in dk), spec, head_dim)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -617,8 +621,9 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: in
             extras)
 
 
-def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums, spent):
-    """g0 [B, H, S] = drem * rem; c_sums, spent: the forward's softplus sums at key-block boundaries
+def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, units, c_sums, spent):
+    """g0 [B, H, S] = drem * rem * units, units [B, H (padded)] the heads' gradient units
+    (`_gradient_units`); c_sums, spent: the forward's softplus sums at key-block boundaries
     and the rows' spent key blocks. With RoPE q and k are rotated already (the forward's outputs);
     dQ and dK are rotated back."""
     batch, seq_pad, num_heads, head_dim = q.shape
@@ -631,6 +636,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums, spent):
     bq, bk = blocks.block_q, blocks.block_k
     num_k_blocks = seq_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
+    units_spec = pl.BlockSpec((None, units.shape[1]), lambda _, b, h: (b, 0))
     tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
     tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
     first, bounds, extras = _spent_bounds(spent, bq, blocks.block_q_dkv, group, bk)
@@ -646,14 +652,14 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums, spent):
     dq, ddecay, g_sums = pl.pallas_call(
         functools.partial(_dq_kernel, st=st),
         grid=(seq_pad // bq, batch, num_heads),
-        in_specs=[q_block_spec, kv_full_spec, kv_full_spec, decay_spec, q_block_spec, row_spec,
+        in_specs=[q_block_spec, kv_full_spec, kv_full_spec, decay_spec, units_spec, q_block_spec, row_spec,
                   boundary_spec, pl.BlockSpec((None, None, first.shape[2]), lambda i, b, h: (b, h, 0)),
                   tri_spec, *side_specs],
         out_specs=[q_block_spec, row_spec, boundary_spec],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32), boundary],
         compiler_params=params, interpret=st.interpret, name="stick_breaking_bwd_dq",
-    )(q, k, v, decay, do, g0, c_sums, first, tris[0], *side_args)
+    )(q, k, v, decay, units, do, g0, c_sums, first, tris[0], *side_args)
 
     # dK/dV: query-side arrays viewed per kv head
     q_group_spec = pl.BlockSpec((None, seq_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
@@ -665,14 +671,14 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, c_sums, spent):
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st),
         grid=(num_k_blocks, batch, num_kv_heads),
-        in_specs=[q_group_spec, kv_block_spec, kv_block_spec, decay_spec, q_group_spec,
+        in_specs=[q_group_spec, kv_block_spec, kv_block_spec, decay_spec, units_spec, q_group_spec,
                   boundary_group_spec, boundary_group_spec,
                   pl.BlockSpec((None, None, *bounds.shape[2:]), lambda j, b, h: (b, h, 0, 0)),
                   pl.BlockSpec((None, None, None, extras.shape[3]), lambda j, b, h: (b, h, j, 0)), tri_spec, *side_specs],
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=dkdv_params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
-    )(as_groups(q), k, v, decay, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), bounds, extras, tris[1],
+    )(as_groups(q), k, v, decay, units, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), bounds, extras, tris[1],
       *side_args)
     return dq, dk, dv, ddecay
 
@@ -715,10 +721,38 @@ def _sum_compensated(x):
     return (hi + lo)[..., 0]
 
 
+# A gradient unit scales a head's dA below 2^UNIT_BITS (`_gradient_units`)
+UNIT_BITS = 14
+
+
+def _gradient_units(do, v, drem, num_heads_pad: int):
+    """Per (batch, query head) a power of two 2^-s (s >= 0; the same for a kv head's group) that
+    scales dA = dO . v and drem below 2^UNIT_BITS, [B, num_heads_pad] fp32.
+
+    The in-tile g sums take their terms in fp16 on the tensor cores (`_key_sums`), and dz is
+    rounded to the inputs' dtype for the dq, dk products: past 65504 both were inf, and the
+    gradients NaN (fp16 loss scaling, say, multiplies dO by 2^15). With |g| <= |dA| <=
+    D max|dO| max|v| and |dz| <= |g| + |drem| + max |dA| (sum A <= 1), a unit under that bound
+    keeps every term below 2^15; dq, dk and d decay are scaled back exactly (powers of two), dv
+    never scaled. Usually s = 0: nothing changes, bit for bit. Costs a read of dO and v (XLA)."""
+    batch, seq, num_heads, head_dim = do.shape
+    num_kv_heads = v.shape[2]
+    group = num_heads // num_kv_heads
+    do_max = jnp.abs(do).reshape(batch, seq, num_kv_heads, group * head_dim).max(axis=(1, 3))
+    drem_max = jnp.abs(drem).reshape(batch, num_kv_heads, group * seq).max(axis=2)
+    bound = head_dim * do_max.astype(jnp.float32) * jnp.abs(v).max(axis=(1, 3)).astype(jnp.float32) + drem_max
+    _, exponent = jnp.frexp(bound)  # bound < 2^exponent
+    shift = jnp.where(jnp.isfinite(bound), jnp.clip(exponent - UNIT_BITS, 0, 126), 0)
+    units = jnp.repeat(jnp.ldexp(jnp.ones_like(bound), -shift), group, axis=1)
+    return _pad_axis(units, 1, num_heads_pad, mode="edge")
+
+
 def _stick_breaking_bwd(st, residuals, cotangents):
     q, k, v, decay, table, rem, c_sums, spent = residuals
     do, drem = cotangents
-    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, c_sums, spent)
+    units = _gradient_units(do, v, drem, decay.shape[0])
+    g0 = drem * rem * units[:, :rem.shape[1], None]
+    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), g0, units, c_sums, spent)
     ddecay = _sum_compensated(jnp.moveaxis(ddecay, 1, 0).reshape(ddecay.shape[1], -1))  # [H]
     return dq, dk, dv, _pad_axis(ddecay, 0, decay.shape[0]), None
 
