@@ -487,16 +487,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, g0_ref, c_ref,
                st: _Static):
     """dQ and the per-row decay gradient; stores the g sums at every key-block boundary. The key
     blocks left of `first` (every row's stick spent) add exactly 0 and are not walked: their A are
-    0, so are their g, and g0 = drem rem = 0; their g sums are g0 (read by dK/dV). dO (and g0)
-    come scaled by the head's gradient unit (`_gradient_units`): so are the g sums."""
+    0, so are their g, and g0 = drem rem = 0; their g sums are g0 (read by dK/dV). A, g0 and so
+    every g and dz are in the head's gradient unit (`_gradient_units`), the g sums too."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
     _, _, tables, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
-    lam, unit = decay_ref[pl.program_id(2)], units_ref[pl.program_id(2)]
+    lam = decay_ref[pl.program_id(2)]
+    shift, unscale = units_ref[0, pl.program_id(2)], units_ref[1, pl.program_id(2)]
     q = _load_parts(q_ref, (slice(None),), spec, head_dim)  # q, k rotated already
-    do = (do_ref[...].astype(jnp.float32) * unit).astype(do_ref.dtype)
+    do = do_ref[...]
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
 
     def body(block, carry, masked):
@@ -509,7 +510,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, g0_ref, c_ref,
         cols = (start + jnp.arange(block_k))[None, :]
         z = _logits(q, k, spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
-        _, sigma, a = _stick(z, valid, c_ref[block, :][:, None], 1, st, tris)
+        _, sigma, a = _stick(z, valid, c_ref[block, :][:, None] + shift, 1, st, tris)  # A 2^-shift
         da = _dot(do, v, spec, trans_b=True)
         dz, g = _dz(a, da, sigma, valid, g_left[:, None], 1, st, tris)
         ddecay = ddecay - jnp.sum(dz * (rows - cols).astype(jnp.float32), axis=1)
@@ -524,8 +525,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, g0_ref, c_ref,
     _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first)
     if spec.rope is not None:
         dq = _rotate(dq, _rope_cos_sin(tables[0]), jnp.float32, inverse=True)
-    _store_parts(dq_ref, tuple(x * (spec.scale / unit) for x in dq), spec, head_dim)
-    ddecay_ref[...] = ddecay / unit
+    _store_parts(dq_ref, tuple(x * (spec.scale * unscale) for x in dq), spec, head_dim)
+    ddecay_ref[...] = ddecay * unscale
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref, bounds_ref, extras_ref, tri_ref,
@@ -533,8 +534,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref
     """One program per (key block, batch, kv head); loops over the steps (query block, group head)
     whose rows see its keys: the diagonal's, then on up to the first step whose sticks are all
     spent left of this key block (its tile adds exactly 0), then only the steps past that one with
-    a stick still unspent there, from a list (`_spent_bounds`). dA comes scaled by the kv head's gradient unit (through v), as do
-    the dQ kernel's g sums, and dk is scaled back; dv takes dO as it is."""
+    a stick still unspent there, from a list (`_spent_bounds`). A is in the kv head's gradient
+    unit, as are the dQ kernel's g sums; dk and dv are scaled back."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
     _, _, tables, (dk_ref, dv_ref) = _unpack(refs, spec)
@@ -545,8 +546,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref
     k = _load_parts(k_ref, (slice(None),), spec, head_dim)  # q, k rotated already
     first_col = pl.program_id(0) * block_k
     first_head = pl.program_id(2) * group
-    unit = units_ref[first_head]
-    v = (v_ref[...].astype(jnp.float32) * unit).astype(v_ref.dtype)  # only for dA
+    shift, unscale = units_ref[0, first_head], units_ref[1, first_head]
+    v = v_ref[...]
     cols = (first_col + jnp.arange(block_k))[:, None]
 
     def body(step, carry, masked):
@@ -563,7 +564,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref
         # 8.50 -> 8.42 ms, bit-equal; in the dQ kernel it took 8.51 -> 8.62)
         da = _dot(v, do, spec, trans_b=True)
         valid = cols < rows if masked else None
-        _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :], 0, st, tris)
+        _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :] + shift, 0, st, tris)  # A 2^-shift
         dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], 0, st, tris)
         dv = dv + _dot(a.astype(do.dtype), do, spec)
         dz = dz.astype(q_ref.dtype)
@@ -582,8 +583,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref
     dk, dv = jax.lax.fori_loop(0, num_extras, lambda t, c: unmasked(extras_ref[t], c), carry)
     if spec.rope is not None:
         dk = _rotate(dk, _rope_cos_sin(tables[1]), jnp.float32, inverse=True)
-    _store_parts(dk_ref, tuple(x * (spec.scale / unit) for x in dk), spec, head_dim)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    _store_parts(dk_ref, tuple(x * (spec.scale * unscale) for x in dk), spec, head_dim)
+    dv_ref[...] = (dv * unscale).astype(dv_ref.dtype)
 
 
 def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: int):
@@ -622,7 +623,7 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: in
 
 
 def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, units, c_sums, spent):
-    """g0 [B, H, S] = drem * rem * units, units [B, H (padded)] the heads' gradient units
+    """g0 [B, H, S] = drem * rem in the heads' gradient units, units [B, 2, H (padded)]
     (`_gradient_units`); c_sums, spent: the forward's softplus sums at key-block boundaries
     and the rows' spent key blocks. With RoPE q and k are rotated already (the forward's outputs);
     dQ and dK are rotated back."""
@@ -636,7 +637,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, units, c_sums, spent):
     bq, bk = blocks.block_q, blocks.block_k
     num_k_blocks = seq_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
-    units_spec = pl.BlockSpec((None, units.shape[1]), lambda _, b, h: (b, 0))
+    units_spec = pl.BlockSpec((None, *units.shape[1:]), lambda _, b, h: (b, 0, 0))
     tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
     tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
     first, bounds, extras = _spent_bounds(spent, bq, blocks.block_q_dkv, group, bk)
@@ -721,37 +722,45 @@ def _sum_compensated(x):
     return (hi + lo)[..., 0]
 
 
-# A gradient unit scales a head's dA below 2^UNIT_BITS (`_gradient_units`)
+# The gradient units keep a head's dA and dz below 2^(UNIT_BITS + 1) (`_gradient_units`)
 UNIT_BITS = 14
 
 
-def _gradient_units(do, v, drem, num_heads_pad: int):
-    """Per (batch, query head) a power of two 2^-s (s >= 0; the same for a kv head's group) that
-    scales dA = dO . v and drem below 2^UNIT_BITS, [B, num_heads_pad] fp32.
+def _gradient_units(do, v, drem, num_heads_pad: int, fast: bool):
+    """Per (batch, query head) a shift s >= 0, the same for a kv head's group: the backward
+    kernels compute A 2^-s (through c + s, no instruction more per score), and so g, dz and the
+    g sums 2^-s, and scale dq, dk, dv, d decay back by 2^s at the end (exactly: powers of two).
+    [B, 2, num_heads_pad] fp32: s and 2^s.
 
-    The in-tile g sums take their terms in fp16 on the tensor cores (`_key_sums`), and dz is
-    rounded to the inputs' dtype for the dq, dk products: past 65504 both were inf, and the
-    gradients NaN (fp16 loss scaling, say, multiplies dO by 2^15). With |g| <= |dA| <=
-    D max|dO| max|v| and |dz| <= |g| + |drem| + max |dA| (sum A <= 1), a unit under that bound
-    keeps every term below 2^15; dq, dk and d decay are scaled back exactly (powers of two), dv
-    never scaled. Usually s = 0: nothing changes, bit for bit. Costs a read of dO and v (XLA)."""
+    For 16-bit inputs the in-tile g sums take their terms in fp16 on the tensor cores
+    (`_key_sums`) and dz is rounded to the inputs' dtype for the dq, dk products: past 65504 they
+    were inf and the gradients NaN (fp16 loss scaling, say, multiplies dO by 2^15). With |g| <=
+    |dA| <= D max|dO| max|v| and |dz| <= |g| + |drem| + max |dA| (sum A <= 1), s takes that
+    bound below 2^UNIT_BITS. Usually s = 0: bit for bit as without. Costs a read of dO and v (XLA);
+    fp32 inputs (fp32 sums) need none. Where s > 0, fp16 inputs' dv loses the A below 2^(s - 24)
+    (the product takes A in fp16), as the cotangents' own range costs them."""
     batch, seq, num_heads, head_dim = do.shape
     num_kv_heads = v.shape[2]
     group = num_heads // num_kv_heads
-    do_max = jnp.abs(do).reshape(batch, seq, num_kv_heads, group * head_dim).max(axis=(1, 3))
-    drem_max = jnp.abs(drem).reshape(batch, num_kv_heads, group * seq).max(axis=2)
-    bound = head_dim * do_max.astype(jnp.float32) * jnp.abs(v).max(axis=(1, 3)).astype(jnp.float32) + drem_max
-    _, exponent = jnp.frexp(bound)  # bound < 2^exponent
-    shift = jnp.where(jnp.isfinite(bound), jnp.clip(exponent - UNIT_BITS, 0, 126), 0)
-    units = jnp.repeat(jnp.ldexp(jnp.ones_like(bound), -shift), group, axis=1)
-    return _pad_axis(units, 1, num_heads_pad, mode="edge")
+    if fast:
+        do_max = jnp.abs(do).reshape(batch, seq, num_kv_heads, group * head_dim).max(axis=(1, 3))
+        drem_max = jnp.abs(drem).reshape(batch, num_kv_heads, group * seq).max(axis=2)
+        v_max = jnp.abs(v).max(axis=(1, 3)).astype(jnp.float32)
+        bound = head_dim * do_max.astype(jnp.float32) * v_max + drem_max
+        _, exponent = jnp.frexp(bound)  # bound < 2^exponent
+        shift = jnp.where(jnp.isfinite(bound), jnp.clip(exponent - UNIT_BITS, 0, 100), 0)
+    else:
+        shift = jnp.zeros((batch, num_kv_heads), jnp.int32)
+    shift = jnp.repeat(shift, group, axis=1)
+    units = jnp.stack([shift.astype(jnp.float32), jnp.ldexp(jnp.ones(shift.shape, jnp.float32), shift)], axis=1)
+    return _pad_axis(units, 2, num_heads_pad, mode="edge")
 
 
 def _stick_breaking_bwd(st, residuals, cotangents):
     q, k, v, decay, table, rem, c_sums, spent = residuals
     do, drem = cotangents
-    units = _gradient_units(do, v, drem, decay.shape[0])
-    g0 = drem * rem * units[:, :rem.shape[1], None]
+    units = _gradient_units(do, v, drem, decay.shape[0], st.fast)
+    g0 = drem * rem / units[:, 1, :rem.shape[1], None]
     dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), g0, units, c_sums, spent)
     ddecay = _sum_compensated(jnp.moveaxis(ddecay, 1, 0).reshape(ddecay.shape[1], -1))  # [H]
     return dq, dk, dv, _pad_axis(ddecay, 0, decay.shape[0]), None
