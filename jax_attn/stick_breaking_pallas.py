@@ -675,12 +675,13 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, units, c_sums, spent):
         in_specs=[q_group_spec, kv_block_spec, kv_block_spec, decay_spec, units_spec, q_group_spec,
                   boundary_group_spec, boundary_group_spec,
                   pl.BlockSpec((None, None, *bounds.shape[2:]), lambda j, b, h: (b, h, 0, 0)),
-                  pl.BlockSpec((None, None, None, extras.shape[3]), lambda j, b, h: (b, h, j, 0)), tri_spec, *side_specs],
+                  pl.BlockSpec((None, None, None, extras.shape[3]), lambda j, b, h: (b, h, j, 0)),
+                  tri_spec, *side_specs],
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=dkdv_params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
-    )(as_groups(q), k, v, decay, units, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), bounds, extras, tris[1],
-      *side_args)
+    )(as_groups(q), k, v, decay, units, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), bounds,
+      extras, tris[1], *side_args)
     return dq, dk, dv, ddecay
 
 
