@@ -323,7 +323,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
         _, o_ref, rem_ref, *saved, q_rot_ref, k_rot_ref, flags_ref = refs
     else:
         o_ref, rem_ref, *saved = refs
-    c_ref, spent_ref = saved if save_sums else (None, None)
+    c_ref, spent_ref, *v_rows_ref = saved if save_sums else (None, None)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
@@ -408,6 +408,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
     if save_sums:  # the blocks left unwalked: spent for every row, their sums >= `spent` (A = 0)
         spent_ref[...] = spent[0] + unwalked
         _fill_blocks(c_ref, unwalked, c)
+    if v_rows_ref:  # max |v| of the key rows at this block's positions (all programs: every key)
+        v = v_ref[pl.ds(pl.multiple_of(pl.program_id(0) * block_q, block_q), block_q), :]
+        v_rows_ref[0][...] = jnp.max(jnp.abs(v.astype(jnp.float32)), axis=1)
 
 
 def _fill_blocks(ref, count, row):
@@ -430,15 +433,21 @@ def _publish(flags_ref, index, st: _Static):
 
 
 def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
-    """-> out, rem, when save_sums the softplus sums at the key-block boundaries and per row the
-    number of key blocks its stick is spent on (from key 0; int32 [B, H, S]) and, with RoPE, q and
-    k rotated (the key tiles shared by the programs of a kv head, see `keys`)."""
-    if st.mosaic:
-        return stick_breaking_mosaic.stick_breaking_forward(q, k, v, decay, st.spec, save_sums=save_sums,
-                                                            spent=st.spent)
+    """-> out, rem, when save_sums the softplus sums at the key-block boundaries, per row the
+    number of key blocks its stick is spent on (from key 0; int32 [B, H, S]) and, for 16-bit
+    inputs, max |v| per (batch, kv head) (fp32 [B, Hkv], for the gradient units; else None) and,
+    with RoPE, q and k rotated (the key tiles shared by the programs of a kv head, see `keys`)."""
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
+    v_rows = save_sums and st.fast  # the Triton forward reports max |v| per key row
+    if st.mosaic:
+        outs = stick_breaking_mosaic.stick_breaking_forward(q, k, v, decay, st.spec, save_sums=save_sums,
+                                                            spent=st.spent)
+        if not save_sums:
+            return outs
+        v_max = jnp.abs(v).max(axis=(1, 3)).astype(jnp.float32) if v_rows else None  # (a read of v, XLA)
+        return (*outs, v_max)
     bq = st.blocks.block_q
     num_k_blocks = seq_pad // st.blocks.block_k
     side_specs, side_args = _side_specs_and_args((None, None, table, table), bq, lambda i, b, h: i,
@@ -450,11 +459,11 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
     in_specs = [q_spec, kv_spec, kv_spec, pl.BlockSpec(decay.shape, lambda *_: (0,)),
                 pl.BlockSpec(tris.shape, lambda *_: (0, 0, 0)), *side_specs]
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    out_specs = [q_spec, row_spec] + [sums_spec, row_spec] * save_sums
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)]
+    out_specs = [q_spec, row_spec] + [sums_spec, row_spec] * save_sums + [row_spec] * v_rows
+    rows = jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), rows]
     out_shape += [jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32),
-                  jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.int32)] * save_sums
+                  jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.int32)] * save_sums + [rows] * v_rows
     args = [q, k, v, decay, tris, *side_args]
     aliases = {}
     if st.spec.rope is not None:  # + q, k rotated and the flags of the published key blocks
@@ -466,7 +475,7 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
         out_specs += [q_spec, kv_spec, flags_spec]
         out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                       jax.ShapeDtypeStruct(flags.shape, flags.dtype)]
-    outs = pl.pallas_call(
+    outs = list(pl.pallas_call(
         functools.partial(_fwd_kernel, st=st, save_sums=save_sums, group=group),
         grid=(seq_pad // bq, batch, num_heads),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
@@ -474,8 +483,13 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
                                              num_stages=st.blocks.num_stages),
         interpret=st.interpret,
         name="stick_breaking_fwd",
-    )(*args)
-    return outs[:-1] if aliases else outs
+    )(*args))
+    if aliases:
+        outs.pop()  # the flags
+    if save_sums:  # the v rows' maxima (or None), after the spent counts
+        v_max = outs.pop(4).reshape(batch, num_kv_heads, group * seq_pad).max(axis=2) if v_rows else None
+        outs.insert(4, v_max)
+    return outs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,26 +497,34 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
 # ----------------------------------------------------------------------------------------------
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, g0_ref, c_ref, first_ref, tri_ref, *refs,
+def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref, first_ref, tri_ref, *refs,
                st: _Static):
     """dQ and the per-row decay gradient; stores the g sums at every key-block boundary. The key
     blocks left of `first` (every row's stick spent) add exactly 0 and are not walked: their A are
-    0, so are their g, and g0 = drem rem = 0; their g sums are g0 (read by dK/dV). A, g0 and so
-    every g and dz are in the head's gradient unit (`_gradient_units`), the g sums too."""
+    0, so are their g, and g0 = drem rem = 0; their g sums are g0 (read by dK/dV). For 16-bit
+    inputs A, and so every g, dz and g sum, is in the program's gradient unit (`_gradient_unit`,
+    from its rows' bounds, which it stores for the dK/dV kernel's unit); the g sums are stored
+    scaled back."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
-    _, _, tables, (dq_ref, ddecay_ref, g_ref) = _unpack(refs, spec)
+    _, _, tables, (dq_ref, ddecay_ref, g_ref, *bound_ref) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
-    shift, unscale = units_ref[0, pl.program_id(2)], units_ref[1, pl.program_id(2)]
     q = _load_parts(q_ref, (slice(None),), spec, head_dim)  # q, k rotated already
     do = do_ref[...]
+    g0 = g0_ref[...]
+    shift, up, down = 0.0, 1.0, 1.0
+    if bound_ref:  # per row: |dA| <= D max|dO_i| max|v| and |g0_i|
+        do_max = jnp.max(jnp.abs(do.astype(jnp.float32)), axis=1)
+        bound = head_dim * do_max * v_max_ref[pl.program_id(2)] + jnp.abs(g0)
+        bound_ref[0][...] = bound
+        shift, up, down = _gradient_unit(jnp.max(bound))
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
 
     def body(block, carry, masked):
         g_left, ddecay, dq = carry
-        g_ref[block, :] = g_left
+        g_ref[block, :] = g_left * up
         start = pl.multiple_of(block * block_k, block_k)
         tile = pl.ds(start, block_k)
         k = _load_parts(k_ref, (tile,), spec, head_dim)
@@ -518,24 +540,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, g0_ref, c_ref,
         dq = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dq, k))
         return g_left + g.sum(axis=1), ddecay, dq
 
-    first, g0 = first_ref[pl.program_id(0)], g0_ref[...]
+    first = first_ref[pl.program_id(0)]
     _fill_blocks(g_ref, first, g0)
     zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
-    carry = (g0, jnp.zeros((block_q,), jnp.float32), tuple(zeros for _ in q))
+    carry = (g0 * down, jnp.zeros((block_q,), jnp.float32), tuple(zeros for _ in q))
     _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first)
     if spec.rope is not None:
         dq = _rotate(dq, _rope_cos_sin(tables[0]), jnp.float32, inverse=True)
-    _store_parts(dq_ref, tuple(x * (spec.scale * unscale) for x in dq), spec, head_dim)
-    ddecay_ref[...] = ddecay * unscale
+    _store_parts(dq_ref, tuple(x * (spec.scale * up) for x in dq), spec, head_dim)
+    ddecay_ref[...] = ddecay * up
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref, bounds_ref, extras_ref, tri_ref,
+def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref, bounds_ref, extras_ref, tri_ref,
                  *refs, st: _Static):
     """One program per (key block, batch, kv head); loops over the steps (query block, group head)
     whose rows see its keys: the diagonal's, then on up to the first step whose sticks are all
     spent left of this key block (its tile adds exactly 0), then only the steps past that one with
-    a stick still unspent there, from a list (`_spent_bounds`). A is in the kv head's gradient
-    unit, as are the dQ kernel's g sums; dk and dv are scaled back."""
+    a stick still unspent there, from a list (`_spent_bounds`). For 16-bit inputs A is in the kv
+    head's gradient unit (from the bound of its rows in the dQ kernel), as are the dQ kernel's g
+    sums once read; dk and dv are scaled back."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
     _, _, tables, (dk_ref, dv_ref) = _unpack(refs, spec)
@@ -546,7 +569,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref
     k = _load_parts(k_ref, (slice(None),), spec, head_dim)  # q, k rotated already
     first_col = pl.program_id(0) * block_k
     first_head = pl.program_id(2) * group
-    shift, unscale = units_ref[0, first_head], units_ref[1, first_head]
+    shift, up, down = _gradient_unit(bound_ref[first_head]) if st.fast else (0.0, 1.0, 1.0)
     v = v_ref[...]
     cols = (first_col + jnp.arange(block_k))[:, None]
 
@@ -565,7 +588,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref
         da = _dot(v, do, spec, trans_b=True)
         valid = cols < rows if masked else None
         _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :] + shift, 0, st, tris)  # A 2^-shift
-        dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :], 0, st, tris)
+        dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :] * down, 0, st, tris)
         dv = dv + _dot(a.astype(do.dtype), do, spec)
         dz = dz.astype(q_ref.dtype)
         dk = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dk, q))
@@ -583,8 +606,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, units_ref, do_ref, c_ref, g_ref
     dk, dv = jax.lax.fori_loop(0, num_extras, lambda t, c: unmasked(extras_ref[t], c), carry)
     if spec.rope is not None:
         dk = _rotate(dk, _rope_cos_sin(tables[1]), jnp.float32, inverse=True)
-    _store_parts(dk_ref, tuple(x * (spec.scale * unscale) for x in dk), spec, head_dim)
-    dv_ref[...] = (dv * unscale).astype(dv_ref.dtype)
+    _store_parts(dk_ref, tuple(x * (spec.scale * up) for x in dk), spec, head_dim)
+    dv_ref[...] = (dv * up).astype(dv_ref.dtype)
 
 
 def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: int):
@@ -622,11 +645,11 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: in
             extras)
 
 
-def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, units, c_sums, spent):
-    """g0 [B, H, S] = drem * rem in the heads' gradient units, units [B, 2, H (padded)]
-    (`_gradient_units`); c_sums, spent: the forward's softplus sums at key-block boundaries
-    and the rows' spent key blocks. With RoPE q and k are rotated already (the forward's outputs);
-    dQ and dK are rotated back."""
+def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
+    """g0 [B, H, S] = drem * rem; v_max [B, Hkv]: max |v| (16-bit inputs; None for fp32, whose
+    sums need no gradient units); c_sums, spent: the forward's softplus sums at key-block
+    boundaries and the rows' spent key blocks. With RoPE q and k are rotated already (the
+    forward's outputs); dQ and dK are rotated back."""
     batch, seq_pad, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
@@ -637,7 +660,9 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, units, c_sums, spent):
     bq, bk = blocks.block_q, blocks.block_k
     num_k_blocks = seq_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
-    units_spec = pl.BlockSpec((None, *units.shape[1:]), lambda _, b, h: (b, 0, 0))
+    per_head = lambda x: _pad_axis(jnp.repeat(x, group, axis=1), 1, decay.shape[0], mode="edge")
+    head_spec = pl.BlockSpec((None, decay.shape[0]), lambda _, b, h: (b, 0))  # [B, H (padded)] per program
+    fast = v_max is not None
     tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
     tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
     first, bounds, extras = _spent_bounds(spent, bq, blocks.block_q_dkv, group, bk)
@@ -650,17 +675,20 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, units, c_sums, spent):
     side = (None, None, table, table)
     side_specs, side_args = _side_specs_and_args(side, bq, lambda i, b, h: i, seq_pad, lambda *_: 0)
     boundary = jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32)
-    dq, ddecay, g_sums = pl.pallas_call(
+    rows = jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)
+    zeros = jnp.zeros((batch, num_kv_heads), jnp.float32)
+    dq, ddecay, g_sums, *row_bounds = pl.pallas_call(
         functools.partial(_dq_kernel, st=st),
         grid=(seq_pad // bq, batch, num_heads),
-        in_specs=[q_block_spec, kv_full_spec, kv_full_spec, decay_spec, units_spec, q_block_spec, row_spec,
+        in_specs=[q_block_spec, kv_full_spec, kv_full_spec, decay_spec, head_spec, q_block_spec, row_spec,
                   boundary_spec, pl.BlockSpec((None, None, first.shape[2]), lambda i, b, h: (b, h, 0)),
                   tri_spec, *side_specs],
-        out_specs=[q_block_spec, row_spec, boundary_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32), boundary],
+        out_specs=[q_block_spec, row_spec, boundary_spec] + [row_spec] * fast,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), rows, boundary] + [rows] * fast,
         compiler_params=params, interpret=st.interpret, name="stick_breaking_bwd_dq",
-    )(q, k, v, decay, units, do, g0, c_sums, first, tris[0], *side_args)
+    )(q, k, v, decay, per_head(v_max if fast else zeros), do, g0, c_sums, first, tris[0], *side_args)
+    # the dK/dV unit: from the bounds of every row of the kv head's group
+    bound = row_bounds[0].reshape(batch, num_kv_heads, group * seq_pad).max(axis=2) if fast else zeros
 
     # dK/dV: query-side arrays viewed per kv head
     q_group_spec = pl.BlockSpec((None, seq_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
@@ -672,7 +700,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, units, c_sums, spent):
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st),
         grid=(num_k_blocks, batch, num_kv_heads),
-        in_specs=[q_group_spec, kv_block_spec, kv_block_spec, decay_spec, units_spec, q_group_spec,
+        in_specs=[q_group_spec, kv_block_spec, kv_block_spec, decay_spec, head_spec, q_group_spec,
                   boundary_group_spec, boundary_group_spec,
                   pl.BlockSpec((None, None, *bounds.shape[2:]), lambda j, b, h: (b, h, 0, 0)),
                   pl.BlockSpec((None, None, None, extras.shape[3]), lambda j, b, h: (b, h, j, 0)),
@@ -680,7 +708,8 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, units, c_sums, spent):
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=dkdv_params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
-    )(as_groups(q), k, v, decay, units, as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums), bounds,
+    )(as_groups(q), k, v, decay, per_head(bound), as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums),
+      bounds,
       extras, tris[1], *side_args)
     return dq, dk, dv, ddecay
 
@@ -697,9 +726,9 @@ def _stick_breaking(st, q, k, v, decay, table):
 
 
 def _stick_breaking_fwd(st, q, k, v, decay, table):
-    out, rem, c_sums, spent, *rotated = _fwd_call(st, q, k, v, decay, table, save_sums=True)
+    out, rem, c_sums, spent, v_max, *rotated = _fwd_call(st, q, k, v, decay, table, save_sums=True)
     q, k = rotated or (q, k)  # with RoPE the backward needs q, k only rotated
-    return (out, rem), (q, k, v, decay, table, rem, c_sums, spent)
+    return (out, rem), (q, k, v, decay, table, rem, c_sums, spent, v_max)
 
 
 def _sum_compensated(x):
@@ -723,46 +752,35 @@ def _sum_compensated(x):
     return (hi + lo)[..., 0]
 
 
-# The gradient units keep a head's dA and dz below 2^(UNIT_BITS + 1) (`_gradient_units`)
+# A program's gradient unit keeps its dA and dz below 2^(UNIT_BITS + 1) (`_gradient_unit`)
 UNIT_BITS = 14
 
 
-def _gradient_units(do, v, drem, num_heads_pad: int, fast: bool):
-    """Per (batch, query head) a shift s >= 0, the same for a kv head's group: the backward
-    kernels compute A 2^-s (through c + s, no instruction more per score), and so g, dz and the
-    g sums 2^-s, and scale dq, dk, dv, d decay back by 2^s at the end (exactly: powers of two).
-    [B, 2, num_heads_pad] fp32: s and 2^s.
+def _gradient_unit(bound):
+    """(s, 2^s, 2^-s), fp32, for a bound >= 0 on a program's |dA| and |g0|: s >= 0 takes it below
+    2^UNIT_BITS (0 where it is inf or NaN, which then propagate), from its exponent bits: exact
+    powers of two, the same in XLA and in the kernels. For 16-bit inputs the backward kernels
+    compute A 2^-s (their row sums c + s, no instruction more per score), and so g, dz and the g
+    sums 2^-s, and scale dq, dk, dv, d decay (and the g sums the dQ kernel stores) back by 2^s.
 
-    For 16-bit inputs the in-tile g sums take their terms in fp16 on the tensor cores
-    (`_key_sums`) and dz is rounded to the inputs' dtype for the dq, dk products: past 65504 they
-    were inf and the gradients NaN (fp16 loss scaling, say, multiplies dO by 2^15). With |g| <=
-    |dA| <= D max|dO| max|v| and |dz| <= |g| + |drem| + max |dA| (sum A <= 1), s takes that
-    bound below 2^UNIT_BITS. Usually s = 0: bit for bit as without. Costs a read of dO and v (XLA);
-    fp32 inputs (fp32 sums) need none. Where s > 0, fp16 inputs' dv loses the A below 2^(s - 24)
-    (the product takes A in fp16), as the cotangents' own range costs them."""
-    batch, seq, num_heads, head_dim = do.shape
-    num_kv_heads = v.shape[2]
-    group = num_heads // num_kv_heads
-    if fast:
-        do_max = jnp.abs(do).reshape(batch, seq, num_kv_heads, group * head_dim).max(axis=(1, 3))
-        drem_max = jnp.abs(drem).reshape(batch, num_kv_heads, group * seq).max(axis=2)
-        v_max = jnp.abs(v).max(axis=(1, 3)).astype(jnp.float32)
-        bound = head_dim * do_max.astype(jnp.float32) * v_max + drem_max
-        _, exponent = jnp.frexp(bound)  # bound < 2^exponent
-        shift = jnp.where(jnp.isfinite(bound), jnp.clip(exponent - UNIT_BITS, 0, 100), 0)
-    else:
-        shift = jnp.zeros((batch, num_kv_heads), jnp.int32)
-    shift = jnp.repeat(shift, group, axis=1)
-    units = jnp.stack([shift.astype(jnp.float32), jnp.ldexp(jnp.ones(shift.shape, jnp.float32), shift)], axis=1)
-    return _pad_axis(units, 2, num_heads_pad, mode="edge")
+    The in-tile g sums take their terms in fp16 on the tensor cores (`_key_sums`) and dz is
+    rounded to the inputs' dtype for the dq, dk products: past 65504 they were inf and the
+    gradients NaN (fp16 loss scaling, say, multiplies dO by 2^15). With |g| <= |dA| <= D max|dO_i|
+    max|v| and |dz| <= |g| + |g0_i| + max |dA| (sum A <= 1), s takes D max|dO_i| max|v| + |g0_i|
+    below 2^UNIT_BITS over the rows i a program sees: a dQ program its block's, a dK/dV program its
+    kv head's (from the bounds the dQ programs store; max |v| from the forward). Usually s = 0:
+    bit for bit as without. fp32 inputs (fp32 sums) need none. Where s > 0, fp16 inputs' dv loses
+    the A below 2^(s - 24) (the product takes A in fp16), as the cotangents' own range costs them."""
+    biased = (jax.lax.bitcast_convert_type(bound.astype(jnp.float32), jnp.int32) >> 23) & 0xFF
+    shift = jnp.where(biased == 255, 0, jnp.clip(biased - 126 - UNIT_BITS, 0, 100))  # bound < 2^(biased - 126)
+    power = lambda e: jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+    return shift.astype(jnp.float32), power(shift), power(-shift)
 
 
 def _stick_breaking_bwd(st, residuals, cotangents):
-    q, k, v, decay, table, rem, c_sums, spent = residuals
+    q, k, v, decay, table, rem, c_sums, spent, v_max = residuals
     do, drem = cotangents
-    units = _gradient_units(do, v, drem, decay.shape[0], st.fast)
-    g0 = drem * rem / units[:, 1, :rem.shape[1], None]
-    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), g0, units, c_sums, spent)
+    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, v_max, c_sums, spent)
     ddecay = _sum_compensated(jnp.moveaxis(ddecay, 1, 0).reshape(ddecay.shape[1], -1))  # [H]
     return dq, dk, dv, _pad_axis(ddecay, 0, decay.shape[0]), None
 

@@ -14,9 +14,10 @@ from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare
 NAMES = ("out", "rem", "dq", "dk", "dv", "ddecay")
 
 
-def _draw(seed, batch, seq_len, heads, kv_heads, head_dim, quiet=(), scale=1.0):
+def _draw(seed, batch, seq_len, heads, kv_heads, head_dim, quiet=(), scale=1.0, loud=()):
     """q, k, v, dout, drem ~ N(0, 1). The rows `quiet` ((head, row) pairs) see logits of -5 (+ the
-    decay's): their q is -5 / scale on the last feature, where every key is 1."""
+    decay's): their q is -5 / scale on the last feature, where every key is 1. The cotangents of
+    the rows `loud` ((head, first row) pairs: that row and those after it) are times 2^13."""
     rng = np.random.default_rng(seed)
     shapes = [(batch, seq_len, heads, head_dim), (batch, seq_len, kv_heads, head_dim),
               (batch, seq_len, kv_heads, head_dim), (batch, seq_len, heads, head_dim), (batch, heads, seq_len)]
@@ -24,6 +25,9 @@ def _draw(seed, batch, seq_len, heads, kv_heads, head_dim, quiet=(), scale=1.0):
     for head, row in quiet:
         arrays[0][:, row, head] = np.eye(head_dim)[-1] * (-5.0 / scale)
         arrays[1][..., -1] = 1.0
+    for head, row in loud:
+        arrays[3][:, row:, head] *= 2.0 ** 13
+        arrays[4][:, head, row:] *= 2.0 ** 13
     return arrays
 
 
@@ -40,10 +44,11 @@ def _run(arrays, dtype, decay, implementation, **kw):
 
 
 def check(shape, dtype=jnp.float32, decay=0.0, seed=0, implementation="pallas_triton", held=NAMES, quiet=(),
-          times=1.0, **kw):
+          times=1.0, loud=(), **kw):
     """Every quantity finite; those in `held` within the tolerance rule of the float64 golden.
-    `times` (a power of two): ours run on the cotangents times that, their gradients divided back."""
-    arrays = _draw(seed, *shape, quiet=quiet, scale=kw.get("scale", 1.0))
+    `times` (a power of two): ours run on the cotangents times that, their gradients divided back.
+    -> ours, the plain path's and the golden's results (out, rem, dq, dk, dv, d decay)."""
+    arrays = _draw(seed, *shape, quiet=quiet, scale=kw.get("scale", 1.0), loud=loud)
     with jax.enable_x64(True), jax.default_matmul_precision("highest"):
         golden = _run(arrays, jnp.float64, decay, "xla", **kw)
     with jax.default_matmul_precision("highest"):
@@ -57,7 +62,7 @@ def check(shape, dtype=jnp.float32, decay=0.0, seed=0, implementation="pallas_tr
         factor = FORWARD_FACTOR if name in ("out", "rem") else GRADIENT_FACTOR
         verdict = compare(f, n, g, NP_DTYPE[dtype], factor)
         assert verdict.ok, f"{name}: {verdict}"
-    return fast, golden
+    return fast, naive, golden
 
 
 @pytest.mark.parametrize("shape, decay", [
@@ -106,7 +111,7 @@ def _check_huge_cotangents(shape, dtype):
     (`_gradient_units`). The gradients scale with the cotangents: ours / 2^13 hold the golden's
     rule for the cotangents as drawn."""
     times = 2.0 ** 13
-    _, golden = check(shape, dtype=dtype, decay=[0.0, 0.01, 0.05, 0.1], times=times)
+    _, _, golden = check(shape, dtype=dtype, decay=[0.0, 0.01, 0.05, 0.1], times=times)
     assert max(np.abs(g).max() for g in golden[2:5]) * times > 2 ** 14, "the gradients should be large"
 
 
@@ -120,6 +125,32 @@ def test_huge_cotangents(dtype):
 def test_gpu_huge_cotangents(dtype):
     assert jax.default_backend() == "gpu", "gpu tests need a GPU"
     _check_huge_cotangents((1, 1024, 4, 2, 128), dtype)
+
+
+def _check_mixed_cotangents(shape):
+    """Cotangents of very different sizes under one kv head (GQA: heads 0 and 1 share it): head 1's
+    rows and head 0's second half times 2^13. The dQ programs of head 0's first half then run at
+    unit 1, the others and the kv head's dK/dV programs at a smaller one (`_gradient_unit`), and
+    the g sums pass between them scaled back. Held against the golden on the same cotangents
+    (bf16: the plain fp16 path overflows on them), and head 0's first half's dq on its own, which
+    the loud rows' errors would hide."""
+    half = shape[1] // 2
+    fast, naive, golden = check(shape, dtype=jnp.bfloat16, decay=[0.0, 0.01, 0.05, 0.1],
+                                loud=((0, half), (1, 0)))
+    assert np.abs(golden[2][0, half:, 0]).max() > 2 ** 14, "the loud rows' gradients should be large"
+    quiet = lambda x: x[0, :half, 0]
+    verdict = compare(quiet(fast[2]), quiet(naive[2]), quiet(golden[2]), NP_DTYPE[jnp.bfloat16], GRADIENT_FACTOR)
+    assert verdict.ok, f"dq of the quiet rows: {verdict}"
+
+
+def test_mixed_cotangents():
+    _check_mixed_cotangents((1, 96, 4, 2, 64))
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_cotangents():
+    assert jax.default_backend() == "gpu", "gpu tests need a GPU"
+    _check_mixed_cotangents((1, 1024, 4, 2, 128))
 
 
 def _check_skipping(shape, dtype, decay, scale, quiet, rope=None, forward="pallas_triton"):
@@ -150,7 +181,7 @@ def _check_skipping(shape, dtype, decay, scale, quiet, rope=None, forward="palla
         interpret = jax.default_backend() == "cpu"
         blocks = default_stick_breaking_blocks(shape[-1], interpret, dtype)
         st = _Static(spec, blocks, interpret, jnp.dtype(dtype), mosaic=forward == "mosaic_gpu")
-        spent = _stick_breaking_fwd(st, q, k, v, decay, None)[1][-1]
+        _, (*_, spent, _v_max) = _stick_breaking_fwd(st, q, k, v, decay, None)  # (the residuals)
         group = shape[2] // shape[3]
         _, bounds, _ = _spent_bounds(spent, blocks.block_q, blocks.block_q_dkv, group, blocks.block_k)
         return np.asarray(spent)[0], np.asarray(bounds)[0, :, 1, :shape[1] // blocks.block_k]
