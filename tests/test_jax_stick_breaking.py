@@ -108,7 +108,7 @@ def test_fp16_huge_logits():
 def _check_huge_cotangents(shape, dtype):
     """dO and drem times 2^13 (fp16 loss scaling's range): dA = dO . v passed 65504, and the
     in-tile g sums, whose terms are fp16, were inf and dq, dk NaN, until the gradient units
-    (`_gradient_units`). The gradients scale with the cotangents: ours / 2^13 hold the golden's
+    (`_gradient_unit`). The gradients scale with the cotangents: ours / 2^13 hold the golden's
     rule for the cotangents as drawn."""
     times = 2.0 ** 13
     _, _, golden = check(shape, dtype=dtype, decay=[0.0, 0.01, 0.05, 0.1], times=times)
