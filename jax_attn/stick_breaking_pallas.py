@@ -709,8 +709,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=dkdv_params, interpret=st.interpret, name="stick_breaking_bwd_dkdv",
     )(as_groups(q), k, v, decay, per_head(bound), as_groups(do), rows_as_groups(c_sums), rows_as_groups(g_sums),
-      bounds,
-      extras, tris[1], *side_args)
+      bounds, extras, tris[1], *side_args)
     return dq, dk, dv, ddecay
 
 
