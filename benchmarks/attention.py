@@ -43,8 +43,9 @@ from __future__ import annotations
 import os
 import sys
 
-# Before jax is imported: let torch and jax share the GPU (no 75 % preallocation by XLA).
-os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+# Before jax is imported: let torch and jax share the GPU (no 75 % preallocation by XLA), unless the
+# caller asks for it (the plain-jnp stick-breaking at S=8192, see benchmarks/stick_breaking.py).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 _SMOKE = "--cpu-smoke" in sys.argv
 if _SMOKE:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -11,7 +11,12 @@ learnable: its gradient is computed too):
                 Triton kernels, on Hopper too since session 12)
   sb_triton     the same, named (implementation="pallas_triton")
   sb+rope       the same with fused RoPE (the ExpoSB layer's call)
-  sb_xla        the plain-jnp stick-breaking ([B, H, S, S] in memory: run at a shorter S)
+  sb_xla        the plain-jnp stick-breaking ([B, H, S, S] fp32 arrays in memory) at S=2048 and
+                at the shape's own S, --xla-seq. Forward+backward at 2x8192x16x128 peaks at 36 GB:
+                on an 80 GB GPU it runs with JAX's allocator preallocating,
+                `XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 ... --no-torch`
+                (torch needs memory JAX then holds); growing on demand, the benchmarks' default
+                (benchmarks/attention.py), it runs out of memory and the row records the error
   torch_sb      torch_ref.stick_breaking_attention (Triton kernels), timed with CUDA events
 Targets (issue 4): sb fwd+bwd >= 0.6x the TFLOP/s of causal softmax; >= 20x the plain-jnp path.
 
@@ -92,13 +97,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--shape", default="2,8192,16,128", help="B,S,H,D")
-    parser.add_argument("--xla-seq", type=int, default=2048, help="S of the plain-jnp rows (memory S^2)")
+    parser.add_argument("--xla-seq", default="2048,8192", help="the S of the plain-jnp rows, comma-separated "
+                        "(memory S^2); a length that does not fit records its error and the run goes on")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--target-ms", type=float, default=30.0)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time the kernels' tile grid SWEEP")
     args = parser.parse_args(argv)
     B, S, H, D = (int(x) for x in args.shape.split(","))
+    xla_seqs = [int(x) for x in args.xla_seq.split(",")]
     name, kind, _ = device_info(False)
     rows = []
 
@@ -123,9 +130,11 @@ def main(argv=None) -> int:
     for mode in ("fwd", "fwdbwd"):
         for impl, f in candidates(H).items():
             if impl == "sb_xla":
-                bench("sb", candidates(H)["sb"], args.xla_seq, mode)  # the kernel at the xla length
-                bench("sb", candidates(H)["sb"], args.xla_seq, mode, data="unspent")
-                bench(impl, f, args.xla_seq, mode)
+                for seq in xla_seqs:
+                    if seq != S:  # the kernel at the plain-jnp row's length (at S: timed above)
+                        bench("sb", candidates(H)["sb"], seq, mode)
+                        bench("sb", candidates(H)["sb"], seq, mode, data="unspent")
+                    bench(impl, f, seq, mode)
             else:
                 bench(impl, f, S, mode)
                 if impl.startswith("sb"):
@@ -152,14 +161,14 @@ def main(argv=None) -> int:
 
     ms = {(r["impl"], r["mode"], r["S"]): r.get("ms") for r in rows}
     print("\n| mode | data | softmax ms | sb ms | sb_triton ms | sb+rope ms | torch_sb ms "
-          f"| sb TF/s / softmax TF/s | sb_xla / sb (S={args.xla_seq}) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| sb TF/s / softmax TF/s | " + " | ".join(f"sb_xla / sb (S={seq})" for seq in xla_seqs) + " |")
+    print("|---" * (8 + len(xla_seqs)) + "|")
     for mode in ("fwd", "fwdbwd"):
         for data, tag in (("normal", ""), ("unspent", "@unspent")):
             t = [ms.get((i, mode, S)) for i in ("softmax", "sb" + tag, "sb_triton" + tag, "sb+rope" + tag)]
             t.append(ms.get(("torch_sb", mode, S)))
-            fast, slow = ms.get(("sb" + tag, mode, args.xla_seq)), ms.get(("sb_xla", mode, args.xla_seq))
-            print(ms_table_row((mode, data), t, [(t[0], t[1]), (slow, fast)]))
+            against_xla = [(ms.get(("sb_xla", mode, seq)), ms.get(("sb" + tag, mode, seq))) for seq in xla_seqs]
+            print(ms_table_row((mode, data), t, [(t[0], t[1]), *against_xla]))
     save_run(args.out, "stick-breaking", kind, name, rows, jax_attn_device=str(jax_attn.device_info()))
     return 0
 
