@@ -42,8 +42,11 @@ if has parity; then grep -hE "FAIL|passed in|Error|: ok" "$OUT"/parity-gpu-*.txt
 if has rope; then
   timeout 300 python3 benchmarks/rope.py --out "$OUT" 2>&1 | tee "$OUT/rope-log.txt" | tail -12
 fi
-if has sb; then
+if has sb; then  # with torch, JAX grows its memory: the plain-jnp fwd+bwd row at S=8192 (36 GB) then runs out of
+  # memory; the second run, JAX preallocating and without torch, times it (benchmarks/stick_breaking.py)
   timeout 420 python3 benchmarks/stick_breaking.py --out "$OUT" ${SB_ARGS:-} 2>&1 | tee "$OUT/sb-log.txt" | tail -16
+  XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 420 python3 benchmarks/stick_breaking.py \
+    --out "$OUT/preallocated" --no-torch ${SB_ARGS:-} 2>&1 | tee "$OUT/sb-log-preallocated.txt" | tail -8
 fi
 if has sweep; then
   timeout ${SWEEP_TIMEOUT:-400} python3 benchmarks/sweep_blocks.py --out "$OUT" 2>&1 | tee "$OUT/sweep-log.txt" | grep BEST
