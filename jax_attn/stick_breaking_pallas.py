@@ -8,9 +8,10 @@ Definition (DESIGN.md "ExpoSB"; Tan et al., arXiv 2410.17980), strictly causal, 
 Forward, one program per (query block, batch, head): key blocks are walked from the diagonal
 leftwards; `c` carries the softplus sum of the keys already passed (to the right), and inside a
 tile the strict suffix sums are a triangular product (`_key_sums`). No max shift is needed:
-log A <= 0. For 16-bit inputs the logs are base 2, each transcendental one PTX instruction (the
-tile math is elementwise-bound). With RoPE each key block is rotated once per query head, by the
-program whose diagonal holds it, and shared (once per kv head) through k_rot and flags (`keys`).
+log A <= 0. For 16-bit inputs the logs are base 2, each transcendental one PTX instruction
+(libdevice's exact log, a long ALU sequence, took the kernels 1.4x the time). With RoPE each key
+block is rotated once per query head, by the program whose diagonal holds it, and shared (once
+per kv head) through k_rot and flags (`keys`).
 
 Backward. With g_ij = A_ij (dO_i . v_j) and sigma = sigmoid(z):
   dz_ij = g_ij - sigma_ij (drem_i rem_i + sum_{m<=j} g_im),
@@ -149,8 +150,8 @@ def _logits(q_parts, k_parts, spec, lam, rows, cols, fast: bool, *, k_major=Fals
 
 def _approx(op: str, x):
     """One MUFU instruction per element (`ex2` or `lg2`, .approx.ftz.f32): jnp.log2 lowers to
-    libdevice's exact logf, a long ALU sequence, and these kernels are bound by elementwise work
-    (H100, 2x8192x16x128 bf16: forward 3.04 -> 2.15 ms, forward+backward 16.9 -> 12.1)."""
+    libdevice's exact logf, a long ALU sequence, which bound these kernels (H100, 2x8192x16x128
+    bf16: forward 3.04 -> 2.15 ms, forward+backward 16.9 -> 12.1)."""
     [y] = plgpu.elementwise_inline_asm(f"{op}.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
     return y
@@ -172,10 +173,10 @@ def _stick(z, valid, c, axis, st: _Static, tris):
     Returns (sp, sigma, a), sp and a zero where not valid (valid None: all valid).
 
     Exact (fp32 inputs): natural logs, softplus = max(z, 0) + log1p(exp(-|z|)), which keeps the
-    tiny terms of strongly negative logits. `fast` (16-bit inputs; the tile math is
-    elementwise-bound): logs in base 2, log2(1 + 2^-|z|) by the approximate ex2 and lg2
-    instructions; lg2.approx errs <= 2^-22.6 absolute on [1, 2] and rounding 1 + x <= 2^-24, per
-    key, far below what a 16-bit output resolves. On query-major tiles (`axis` 1: forward, dQ)
+    tiny terms of strongly negative logits. `fast` (16-bit inputs; few instructions per score):
+    logs in base 2, log2(1 + 2^-|z|) by the approximate ex2 and lg2 instructions; lg2.approx
+    errs <= 2^-22.6 absolute on [1, 2] and rounding 1 + x <= 2^-24, per key, far below what a
+    16-bit output resolves. On query-major tiles (`axis` 1: forward, dQ)
     log sigmoid(z) = z - sp (the k-major dK/dV tile was slower with it, 4.93 -> 5.73 ms, and keeps
     min(z, 0) - t). A = exp(log sigmoid(z) - c - sum_{m>j} sp): the key's own term in fp32, the
     strict suffix on the tensor cores, its 16-bit terms capped at SP_CAP (fp16 overflows at 65504:
