@@ -476,7 +476,7 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
         out_specs += [q_spec, kv_spec, flags_spec]
         out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                       jax.ShapeDtypeStruct(flags.shape, flags.dtype)]
-    outs = list(pl.pallas_call(
+    outs = pl.pallas_call(
         functools.partial(_fwd_kernel, st=st, save_sums=save_sums, group=group),
         grid=(seq_pad // bq, batch, num_heads),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
@@ -484,13 +484,13 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
                                              num_stages=st.blocks.num_stages),
         interpret=st.interpret,
         name="stick_breaking_fwd",
-    )(*args))
-    if aliases:
-        outs.pop()  # the flags
-    if save_sums:  # the v rows' maxima (or None), after the spent counts
-        v_max = outs.pop(4).reshape(batch, num_kv_heads, group * seq_pad).max(axis=2) if v_rows else None
-        outs.insert(4, v_max)
-    return outs
+    )(*args)
+    out, rem, *rest = outs[:-1] if aliases else outs  # (without the flags)
+    if not save_sums:
+        return [out, rem, *rest]
+    c_sums, spent, *rest = rest
+    v_max = rest.pop(0).reshape(batch, num_kv_heads, group * seq_pad).max(axis=2) if v_rows else None
+    return [out, rem, c_sums, spent, v_max, *rest]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -516,7 +516,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
     do = do_ref[...]
     g0 = g0_ref[...]
     shift, up, down = 0.0, 1.0, 1.0
-    if bound_ref:  # per row: |dA| <= D max|dO_i| max|v| and |g0_i|
+    if st.fast:  # per row: |dA| <= D max|dO_i| max|v| and |g0_i|
         do_max = jnp.max(jnp.abs(do.astype(jnp.float32)), axis=1)
         bound = head_dim * do_max * v_max_ref[pl.program_id(2)] + jnp.abs(g0)
         bound_ref[0][...] = bound
@@ -663,7 +663,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
     per_head = lambda x: _pad_axis(jnp.repeat(x, group, axis=1), 1, decay.shape[0], mode="edge")
     head_spec = pl.BlockSpec((None, decay.shape[0]), lambda _, b, h: (b, 0))  # [B, H (padded)] per program
-    fast = v_max is not None
+    fast = st.fast  # (v_max is None otherwise)
     tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
     tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
     first, bounds, extras = _spent_bounds(spent, bq, blocks.block_q_dkv, group, bk)
