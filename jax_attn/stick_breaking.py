@@ -42,8 +42,13 @@ def stick_breaking_reference(q, k, v, decay, spec: AttentionSpec, *, pos=None):
     sp = jnp.where(valid, jax.nn.softplus(z), 0.0)
     suffix = jnp.cumsum(sp[..., ::-1], axis=-1)[..., ::-1] - sp  # sum over j < m < i
     a = jnp.where(valid, jnp.exp(jax.nn.log_sigmoid(z) - suffix), 0.0)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", a.astype(v.dtype), v, precision=spec.precision,
-                     preferred_element_type=wide)
+    a_v, v_a = a.astype(v.dtype), v
+    if v.dtype == jnp.float16:
+        # A's cotangent, dO . v, passes fp16's range under loss scaling (cotangents x 2^13) and
+        # would come back inf from an fp16 product: take the product in fp32 on A rounded to fp16
+        # (the same values; fp16 is exact in fp32 and TF32), the cotangent straight through in fp32
+        a_v, v_a = a + jax.lax.stop_gradient(a_v.astype(wide) - a), v.astype(wide)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", a_v, v_a, precision=spec.precision, preferred_element_type=wide)
     out = out.reshape(batch, seq_len, num_heads, head_dim).astype(q.dtype)
     rem = jnp.exp(-sp.sum(axis=-1)).reshape(batch, num_heads, seq_len)
     return out, rem

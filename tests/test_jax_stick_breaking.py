@@ -121,6 +121,12 @@ def test_huge_cotangents(dtype):
     _check_huge_cotangents((1, 80, 4, 2, 64), dtype)
 
 
+def test_xla_huge_cotangents():
+    """The plain-jnp path on the same fp16 cotangents: its A v product's cotangent dO . v passed
+    65504 in fp16 (dq, dk not finite) until it took that product in fp32."""
+    _check_huge_cotangents((1, 80, 4, 2, 64), jnp.float16, "xla")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", ["pallas_triton", "mosaic_gpu"])  # max |v|: its forward's, XLA's
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["fp16", "bf16"])

@@ -175,6 +175,23 @@ def test_parity(case):
     _assert_rule(*_three(case), case.dtype)
 
 
+@pytest.mark.parametrize("impl", ["eager", "triton"])
+def test_huge_cotangents(impl):
+    """fp16 cotangents times 2^13 (loss scaling's range): the results divided back hold the rule
+    against the golden and the naive run on the cotangents as drawn. The eager path's A v product
+    took its cotangent dO . v in fp16, past 65504 (dq, dk not finite), until it ran in fp32."""
+    case = SBCase(1, 64, 4, 2, 64, F16, decay="heads", rem_grad=True)
+    times = 2.0 ** 13
+    q, k, v, do, drem, positions = (_to(x, DEVICE) for x in _inputs(case))
+    decay, kw = _decay_values(case), _kwargs(case, positions)
+    gold = _run("eager", F64, q, k, v, do, drem, decay, kw)
+    naive = _run("eager", F16, q, k, v, do, drem, decay, kw)
+    loud = _run(impl, F16, q, k, v, do * times, drem * times, decay, kw)
+    loud = {name: x if name in FORWARD_NAMES else x.double() / times for name, x in loud.items()}
+    assert max(gold[n].abs().max().item() for n in ("dq", "dk", "dv")) * times > 2 ** 14, "gradients should be large"
+    _assert_rule(loud, naive, gold, F16)
+
+
 CONFIGS = [  # (block_m, block_n, bwd_block_n, dq_block_m, dkdv_block_m): tiles wider / narrower than each other
     (32, 16, 16, 32, 32),
     (16, 16, 16, 16, 16),

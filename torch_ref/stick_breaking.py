@@ -110,7 +110,13 @@ def eager(q, k, v, *, scale: float, decay, rope=None, q_pos=None, kv_pos=None):
     log_beta = F.logsigmoid(z)  # = z - softplus(z), stable
     suffix = sp.flip(-1).cumsum(-1).flip(-1) - sp  # C_ij = sum_{j<m<i} sp_im
     a = torch.where(valid, torch.exp(log_beta - suffix), zero_s)
-    out = torch.einsum("bhqk,bkhd->bqhd", a.to(v.dtype), v)
+    a_v, v_a = a.to(v.dtype), v
+    if v.dtype == torch.float16:
+        # A's cotangent, dO . v, passes fp16's range under loss scaling (cotangents x 2^13) and
+        # would come back inf from an fp16 product: take the product in fp32 on A rounded to fp16
+        # (the same values), the cotangent straight through in fp32 (as jax_attn's XLA path)
+        a_v, v_a = a + (a_v.to(stat) - a).detach(), v.to(stat)
+    out = torch.einsum("bhqk,bkhd->bqhd", a_v, v_a).to(v.dtype)
     rem = torch.exp(-sp.sum(-1))  # [B, Hq, S]
     return out, rem
 
