@@ -135,30 +135,30 @@ def test_gpu_huge_cotangents(dtype, implementation):
     _check_huge_cotangents((1, 1024, 4, 2, 128), dtype, implementation)
 
 
-def _check_mixed_cotangents(shape):
+def _check_mixed_cotangents(shape, dtype):
     """Cotangents of very different sizes under one kv head (GQA: heads 0 and 1 share it): head 1's
     rows and head 0's second half times 2^13. The dQ programs of head 0's first half then run at
     unit 1, the others and the kv head's dK/dV programs at a smaller one (`_gradient_unit`), and
-    the g sums pass between them scaled back. Held against the golden on the same cotangents
-    (bf16: the plain fp16 path overflows on them), and head 0's first half's dq on its own, which
-    the loud rows' errors would hide."""
+    the g sums pass between them scaled back. Held against the golden on the same cotangents, and
+    head 0's first half's dq on its own, which the loud rows' errors would hide."""
     half = shape[1] // 2
-    fast, naive, golden = check(shape, dtype=jnp.bfloat16, decay=[0.0, 0.01, 0.05, 0.1],
-                                loud=((0, half), (1, 0)))
+    fast, naive, golden = check(shape, dtype=dtype, decay=[0.0, 0.01, 0.05, 0.1], loud=((0, half), (1, 0)))
     assert np.abs(golden[2][0, half:, 0]).max() > 2 ** 14, "the loud rows' gradients should be large"
     first_half = lambda x: x[0, :half, 0]  # head 0's rows at unit 1
-    verdict = compare(*(first_half(x[2]) for x in (fast, naive, golden)), NP_DTYPE[jnp.bfloat16], GRADIENT_FACTOR)
+    verdict = compare(*(first_half(x[2]) for x in (fast, naive, golden)), NP_DTYPE[dtype], GRADIENT_FACTOR)
     assert verdict.ok, f"dq of head 0's first half: {verdict}"
 
 
-def test_mixed_cotangents():
-    _check_mixed_cotangents((1, 96, 4, 2, 64))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["fp16", "bf16"])
+def test_mixed_cotangents(dtype):
+    _check_mixed_cotangents((1, 96, 4, 2, 64), dtype)
 
 
 @pytest.mark.gpu
-def test_gpu_mixed_cotangents():
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_mixed_cotangents(dtype):
     assert jax.default_backend() == "gpu", "gpu tests need a GPU"
-    _check_mixed_cotangents((1, 1024, 4, 2, 128))
+    _check_mixed_cotangents((1, 1024, 4, 2, 128), dtype)
 
 
 def _check_skipping(shape, dtype, decay, scale, quiet, rope=None, forward="pallas_triton"):
