@@ -122,7 +122,9 @@ def _check_window(window):
 def _check_positive(name, value):
     if value is None:
         return None
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):  # it shapes the kernels: static
+        raise TypeError(f"{name} must be a Python number (static, not an array or a bool), got {name}={value!r}")
+    if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {name}={value!r}")
     return float(value)
 

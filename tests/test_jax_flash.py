@@ -197,6 +197,7 @@ def _arr(*shape, dtype=jnp.float32):
     ((_arr(2, 8, 4, 16),) * 3, dict(window=5), ValueError, r"window must be a pair"),
     ((_arr(2, 8, 4, 16),) * 3, dict(softcap=0.0), ValueError, r"softcap must be a positive"),
     ((_arr(2, 8, 4, 16),) * 3, dict(scale=float("nan")), ValueError, r"scale must be a positive"),
+    ((_arr(2, 8, 4, 16),) * 3, dict(scale=jnp.float32(0.5)), TypeError, r"scale must be a Python number"),
     ((_arr(2, 8, 4, 16),) * 3, dict(implementation="cuda"), NotImplementedError,
      r"unknown implementation='cuda'"),
 ])

@@ -303,10 +303,11 @@ def test_jit_with_learnable_decay():
     (dict(rope="interleaved"), TypeError, "rope must be a jax_attn.Rope"),
     (dict(positions=np.zeros((1, 8), np.int32)), ValueError, "positions are given but rope is None"),
     (dict(scale=0.0), ValueError, "scale must be a positive"),
+    (dict(scale=jnp.float32(0.5)), TypeError, "scale must be a Python number"),
     (dict(implementation="cudnn"), NotImplementedError, "unknown implementation"),
     (dict(causal=False), TypeError, "causal"),
 ], ids=["negative_decay", "decay_shape", "decay_int", "decay_str", "rope_type", "positions_without_rope",
-        "scale", "implementation", "non_causal"])
+        "scale", "scale_array", "implementation", "non_causal"])
 def test_bad_inputs(kw, error, match):
     x = jnp.ones((1, 8, 4, 16), jnp.float32)
     with pytest.raises(error, match=match):
