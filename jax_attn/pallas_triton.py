@@ -150,6 +150,15 @@ def _load_parts(ref, prefix, spec, head_dim):
     return tuple(ref[(*prefix, c)] for c in _columns(spec, head_dim))
 
 
+def _split_parts(x, spec, head_dim):
+    """A [rows, D] tile in registers -> its feature parts, as `_load_parts` would load them."""
+    if spec.rope is None:
+        return (x,)
+    if _interleaved(spec):
+        return tuple(jnp.unstack(x.reshape(x.shape[0], head_dim // 2, 2), axis=-1))
+    return tuple(jnp.split(x, 2, axis=1))
+
+
 def _store_parts(ref, parts, spec, head_dim, rows=slice(None)):
     if _interleaved(spec):
         x = jnp.stack(parts, axis=-1)

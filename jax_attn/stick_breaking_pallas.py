@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax_attn import stick_breaking_mosaic
 from jax_attn.pallas_triton import (
     MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
-    _side_specs_and_args, _store_parts, _unpack, rope_tables)
+    _side_specs_and_args, _split_parts, _store_parts, _unpack, rope_tables)
 from jax_attn.spec import LOG2E, SP_CAP, SPENT, SPENT_FTZ, AttentionSpec, padded_head_dim, pow2_at_least
 
 
@@ -512,7 +512,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
-    q = _load_parts(q_ref, (slice(None),), spec, head_dim)  # q, k rotated already
+    q = (q_ref[...],)  # q, k rotated already: the products take them whole, not in feature parts
     do = do_ref[...]
     g0 = g0_ref[...]
     shift, up, down = 0.0, 1.0, 1.0
@@ -528,27 +528,23 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
         g_ref[block, :] = g_left * up
         start = pl.multiple_of(block * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k = _load_parts(k_ref, (tile,), spec, head_dim)
+        k = k_ref[tile, :]
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
-        z = _logits(q, k, spec, lam, rows, cols, st.fast)
+        z = _logits(q, (k,), spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
         _, sigma, a = _stick(z, valid, c_ref[block, :][:, None] + shift, 1, st, tris)  # A 2^-shift
         da = _dot(do, v, spec, trans_b=True)
         dz, g = _dz(a, da, sigma, valid, g_left[:, None], 1, st, tris)
         ddecay = ddecay - jnp.sum(dz * (rows - cols).astype(jnp.float32), axis=1)
-        dz = dz.astype(k_ref.dtype)
-        dq = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dq, k))
+        dq = dq + _dot(dz.astype(k_ref.dtype), k, spec)
         return g_left + g.sum(axis=1), ddecay, dq
 
     first = first_ref[pl.program_id(0)]
     _fill_blocks(g_ref, first, g0)
-    zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
-    carry = (g0 * down, jnp.zeros((block_q,), jnp.float32), tuple(zeros for _ in q))
+    carry = (g0 * down, jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
     _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first)
-    if spec.rope is not None:
-        dq = _rotate(dq, _rope_cos_sin(tables[0]), jnp.float32, inverse=True)
-    _store_parts(dq_ref, tuple(x * (spec.scale * up) for x in dq), spec, head_dim)
+    _store_rotated_back(dq_ref, dq * (spec.scale * up), spec, head_dim, None if tables is None else tables[0])
     ddecay_ref[...] = ddecay * up
 
 
@@ -567,7 +563,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
     num_q_blocks = q_ref.shape[0] // block_q
-    k = _load_parts(k_ref, (slice(None),), spec, head_dim)  # q, k rotated already
+    k = (k_ref[...],)  # q, k rotated already: the products take them whole, not in feature parts
     first_col = pl.program_id(0) * block_k
     first_head = pl.program_id(2) * group
     shift, up, down = _gradient_unit(bound_ref[first_head]) if st.fast else (0.0, 1.0, 1.0)
@@ -579,11 +575,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
         i, g = step // group, step % group
         start = pl.multiple_of(i * block_q, block_q)
         tile = pl.ds(start, block_q)
-        q = _load_parts(q_ref, (tile, g), spec, head_dim)
+        q = q_ref[tile, g, :]
         do = do_ref[tile, g, :]
         lam = decay_ref[first_head + g]
         rows = (start + jnp.arange(block_q))[None, :]
-        z = _logits(q, k, spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
+        z = _logits((q,), k, spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
         # dA next to the logits' product, before the tile math (H100, 2x8192x16x128 bf16: fwd+bwd
         # 8.50 -> 8.42 ms, bit-equal; in the dQ kernel it took 8.51 -> 8.62)
         da = _dot(v, do, spec, trans_b=True)
@@ -591,24 +587,30 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
         _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :] + shift, 0, st, tris)  # A 2^-shift
         dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :] * down, 0, st, tris)
         dv = dv + _dot(a.astype(do.dtype), do, spec)
-        dz = dz.astype(q_ref.dtype)
-        dk = tuple(acc + _dot(dz, part, spec) for acc, part in zip(dk, q))
+        dk = dk + _dot(dz.astype(q_ref.dtype), q, spec)
         return dk, dv
 
     lo = (first_col + 1) // block_q  # first query block with a row > the first key
     full = (first_col + block_k - 1) // block_q + 1  # from here every row > every key
     full = jnp.minimum(full, num_q_blocks)
     near, num_extras = bounds_ref[0, pl.program_id(0)], bounds_ref[1, pl.program_id(0)]
-    zeros = jnp.zeros((block_k, head_dim // len(k)), jnp.float32)
-    carry = (tuple(zeros for _ in k), jnp.zeros((block_k, head_dim), jnp.float32))
+    carry = (jnp.zeros((block_k, head_dim), jnp.float32),) * 2
     unmasked = functools.partial(body, masked=False)
     carry = jax.lax.fori_loop(lo * group, full * group, functools.partial(body, masked=True), carry)
     carry = jax.lax.fori_loop(full * group, near, unmasked, carry)
     dk, dv = jax.lax.fori_loop(0, num_extras, lambda t, c: unmasked(extras_ref[t], c), carry)
-    if spec.rope is not None:
-        dk = _rotate(dk, _rope_cos_sin(tables[1]), jnp.float32, inverse=True)
-    _store_parts(dk_ref, tuple(x * (spec.scale * up) for x in dk), spec, head_dim)
+    _store_rotated_back(dk_ref, dk * (spec.scale * up), spec, head_dim, None if tables is None else tables[1])
     dv_ref[...] = (dv * up).astype(dv_ref.dtype)
+
+
+def _store_rotated_back(ref, x, spec, head_dim, table_ref):
+    """Store a gradient [rows, D] fp32 of rotated q or k, with RoPE rotated back (R^T) by the rows'
+    table (split into the feature parts for that, once per program)."""
+    if spec.rope is None:
+        ref[...] = x.astype(ref.dtype)
+        return
+    parts = _rotate(_split_parts(x, spec, head_dim), _rope_cos_sin(table_ref), jnp.float32, inverse=True)
+    _store_parts(ref, parts, spec, head_dim)
 
 
 def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: int):
