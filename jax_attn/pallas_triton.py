@@ -159,6 +159,16 @@ def _split_parts(x, spec, head_dim):
     return tuple(jnp.split(x, 2, axis=1))
 
 
+def _join_parts(parts, spec, head_dim):
+    """Feature parts in registers -> the [rows, D] tile they came from (`_split_parts`'s inverse)."""
+    if spec.rope is None:
+        return parts[0]
+    x = jnp.stack(parts, axis=-1)  # [rows, D/2, 2]: the pairs side by side
+    if not _interleaved(spec):
+        x = x.transpose(0, 2, 1)  # [rows, 2, D/2]: the first members, then the second
+    return x.reshape(x.shape[0], head_dim)
+
+
 def _store_parts(ref, parts, spec, head_dim, rows=slice(None)):
     if _interleaved(spec):
         x = jnp.stack(parts, axis=-1)
@@ -413,6 +423,7 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
     k = _rotate(_load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
     if k_rot_ref:
         _store_parts(k_rot_ref[0], k, spec, head_dim)
+    k = (_join_parts(k, spec, head_dim),)  # rotated: the products take q, k whole
     v = v_ref[...]
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
     kv_seg = kv_info.get("seg")
@@ -425,12 +436,12 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
         i, g = step // group, step % group
         start = pl.multiple_of(i * block_q, block_q)
         tile = pl.ds(start, block_q)
-        q = _load_parts(q_ref, (tile, g), spec, head_dim)  # rotated already
+        q = q_ref[tile, g, :]  # rotated already
         do = do_ref[tile, g, :]
         m2 = m2_ref[g, tile]
         inv_l = inv_l_ref[g, tile]
         delta = delta_ref[g, tile]
-        s, t = _scores(q, k, spec, k_major=True)  # [block_k, block_q]
+        s, t = _scores((q,), k, spec, k_major=True)  # [block_k, block_q]
         if masked:
             rows = (start + jnp.arange(block_q))[None, :]
             q_seg = q_info.get("seg", tile)
@@ -444,15 +455,12 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
             ds = ds * (1.0 - t * t)
         if masked:  # p = 0 there, but dp may be inf (huge masked values): 0 * inf = NaN
             ds = jnp.where(mask, ds, 0.0)
-        ds = ds.astype(q_ref.dtype)
-        dk = tuple(acc + _dot(ds, part, spec) for acc, part in zip(dk, q))
+        dk = dk + _dot(ds.astype(q_ref.dtype), q, spec)
         return dk, dv
 
-    zeros = jnp.zeros((block_k, head_dim // len(k)), jnp.float32)
-    carry = (tuple(zeros for _ in k), jnp.zeros((block_k, head_dim), jnp.float32))
+    carry = (jnp.zeros((block_k, head_dim), jnp.float32),) * 2
     dk, dv = _visit(ranges_ref, body, carry, _needs_mask(st, block_k), stride=group)
-    dk = _rotate(dk, k_cs, jnp.float32, inverse=True)  # back from rotated to input coordinates
-    _store_parts(dk_ref, tuple(x * spec.scale for x in dk), spec, head_dim)
+    _store_rotated_back(dk_ref, dk * spec.scale, spec, head_dim, k_cs)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -463,7 +471,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     q_info, kv_info, tables, (dq_ref,) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k_dq
-    q = _load_parts(q_ref, (slice(None),), spec, head_dim)  # q, k rotated already
+    q = (q_ref[...],)  # q, k rotated already: the products take them whole
     do = do_ref[...]
     m2 = m2_ref[...][:, None]
     inv_l = inv_l_ref[...][:, None]
@@ -475,9 +483,9 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     def body(j, dq, masked):
         start = pl.multiple_of(j * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k = _load_parts(k_ref, (tile,), spec, head_dim)
+        k = k_ref[tile, :]
         v = v_ref[tile, :]
-        s, t = _scores(q, k, spec)
+        s, t = _scores(q, (k,), spec)
         if masked:
             cols = (start + jnp.arange(block_k))[None, :]
             kv_seg = kv_info.get("seg", tile)
@@ -490,14 +498,20 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
             ds = ds * (1.0 - t * t)
         if masked:
             ds = jnp.where(mask, ds, 0.0)
-        ds = ds.astype(k_ref.dtype)
-        return tuple(acc + _dot(ds, part, spec) for acc, part in zip(dq, k))
+        return dq + _dot(ds.astype(k_ref.dtype), k, spec)
 
-    zeros = jnp.zeros((block_q, head_dim // len(q)), jnp.float32)
-    dq = _visit(ranges_ref, body, tuple(zeros for _ in q), _needs_mask(st, block_k))
-    if spec.rope is not None:
-        dq = _rotate(dq, _rope_cos_sin(tables[0]), jnp.float32, inverse=True)
-    _store_parts(dq_ref, tuple(x * spec.scale for x in dq), spec, head_dim)
+    dq = _visit(ranges_ref, body, jnp.zeros((block_q, head_dim), jnp.float32), _needs_mask(st, block_k))
+    _store_rotated_back(dq_ref, dq * spec.scale, spec, head_dim,
+                        None if tables is None else _rope_cos_sin(tables[0]))
+
+
+def _store_rotated_back(ref, x, spec, head_dim, cos_sin):
+    """Store a gradient [rows, D] fp32 taken against rotated q or k; with RoPE rotated back (R^T,
+    by the rows' `cos_sin`), in the feature parts it is split into for that, once per program."""
+    if spec.rope is None:
+        ref[...] = x.astype(ref.dtype)
+        return
+    _store_parts(ref, _rotate(_split_parts(x, spec, head_dim), cos_sin, jnp.float32, inverse=True), spec, head_dim)
 
 
 def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,

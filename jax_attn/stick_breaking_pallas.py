@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax_attn import stick_breaking_mosaic
 from jax_attn.pallas_triton import (
     MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
-    _side_specs_and_args, _split_parts, _store_parts, _unpack, rope_tables)
+    _side_specs_and_args, _store_parts, _store_rotated_back, _unpack, rope_tables)
 from jax_attn.spec import LOG2E, SP_CAP, SPENT, SPENT_FTZ, AttentionSpec, padded_head_dim, pow2_at_least
 
 
@@ -544,7 +544,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
     _fill_blocks(g_ref, first, g0)
     carry = (g0 * down, jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
     _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first)
-    _store_rotated_back(dq_ref, dq * (spec.scale * up), spec, head_dim, None if tables is None else tables[0])
+    _store_rotated_back(dq_ref, dq * (spec.scale * up), spec, head_dim,
+                        None if tables is None else _rope_cos_sin(tables[0]))
     ddecay_ref[...] = ddecay * up
 
 
@@ -599,18 +600,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
     carry = jax.lax.fori_loop(lo * group, full * group, functools.partial(body, masked=True), carry)
     carry = jax.lax.fori_loop(full * group, near, unmasked, carry)
     dk, dv = jax.lax.fori_loop(0, num_extras, lambda t, c: unmasked(extras_ref[t], c), carry)
-    _store_rotated_back(dk_ref, dk * (spec.scale * up), spec, head_dim, None if tables is None else tables[1])
+    _store_rotated_back(dk_ref, dk * (spec.scale * up), spec, head_dim,
+                        None if tables is None else _rope_cos_sin(tables[1]))
     dv_ref[...] = (dv * up).astype(dv_ref.dtype)
 
-
-def _store_rotated_back(ref, x, spec, head_dim, table_ref):
-    """Store a gradient [rows, D] fp32 of rotated q or k, with RoPE rotated back (R^T) by the rows'
-    table (split into the feature parts for that, once per program)."""
-    if spec.rope is None:
-        ref[...] = x.astype(ref.dtype)
-        return
-    parts = _rotate(_split_parts(x, spec, head_dim), _rope_cos_sin(table_ref), jnp.float32, inverse=True)
-    _store_parts(ref, parts, spec, head_dim)
 
 
 def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: int):
