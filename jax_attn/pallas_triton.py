@@ -117,8 +117,9 @@ class _Static:
 # Feature "parts": without RoPE a q/k tile is one part, [rows, D]. With RoPE it is two parts,
 # the two members of every rotated pair ([rows, D/2] each: columns [0, D/2) and [D/2, D) for
 # style "half", even and odd columns for "interleaved"), rotated in registers after the load;
-# scores are the sum of the parts' dots, and dQ/dK accumulate per part and rotate back (R^T)
-# before the store. Without RoPE the code is exactly the plain kernel.
+# the forward's scores are the sum of the parts' dots. The backward kernels get q, k rotated and
+# take them whole (one dot, one dQ/dK accumulator); dQ/dK are split into the parts only to rotate
+# back (R^T) before the store. Without RoPE the code is exactly the plain kernel.
 # ----------------------------------------------------------------------------------------------
 
 

@@ -605,7 +605,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
     dv_ref[...] = (dv * up).astype(dv_ref.dtype)
 
 
-
 def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: int):
     """From the rows' spent key blocks (the forward's, [B, H, S]; a row needs key block j iff
     spent <= j):
