@@ -145,9 +145,10 @@ def _interleaved(spec: AttentionSpec) -> bool:
 
 
 def _load_parts(ref, prefix, spec, head_dim):
-    if _interleaved(spec):  # one contiguous load, split in registers: stride-2 column loads made
-        x = ref[(*prefix, slice(None))]  # the forward 1.3x slower than style "half" (H100)
-        return tuple(jnp.unstack(x.reshape(*x.shape[:-1], head_dim // 2, 2), axis=-1))
+    # interleaved: one contiguous load, split in registers (stride-2 column loads made the forward
+    # 1.3x slower than style "half", H100)
+    if _interleaved(spec):
+        return _split_parts(ref[(*prefix, slice(None))], spec, head_dim)
     return tuple(ref[(*prefix, c)] for c in _columns(spec, head_dim))
 
 
@@ -156,7 +157,7 @@ def _split_parts(x, spec, head_dim):
     if spec.rope is None:
         return (x,)
     if _interleaved(spec):
-        return tuple(jnp.unstack(x.reshape(x.shape[0], head_dim // 2, 2), axis=-1))
+        return tuple(jnp.unstack(x.reshape(*x.shape[:-1], head_dim // 2, 2), axis=-1))
     return tuple(jnp.split(x, 2, axis=1))
 
 
@@ -171,9 +172,8 @@ def _join_parts(parts, spec, head_dim):
 
 
 def _store_parts(ref, parts, spec, head_dim, rows=slice(None)):
-    if _interleaved(spec):
-        x = jnp.stack(parts, axis=-1)
-        ref[rows, :] = x.reshape(*x.shape[:-2], head_dim).astype(ref.dtype)
+    if _interleaved(spec):  # one contiguous store
+        ref[rows, :] = _join_parts(parts, spec, head_dim).astype(ref.dtype)
         return
     for c, x in zip(_columns(spec, head_dim), parts):
         ref[rows, c] = x.astype(ref.dtype)
@@ -424,7 +424,7 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
     k = _rotate(_load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
     if k_rot_ref:
         _store_parts(k_rot_ref[0], k, spec, head_dim)
-    k = (_join_parts(k, spec, head_dim),)  # rotated: the products take q, k whole
+    k = _join_parts(k, spec, head_dim)  # rotated: the products take q, k whole
     v = v_ref[...]
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
     kv_seg = kv_info.get("seg")
@@ -442,7 +442,7 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
         m2 = m2_ref[g, tile]
         inv_l = inv_l_ref[g, tile]
         delta = delta_ref[g, tile]
-        s, t = _scores((q,), k, spec, k_major=True)  # [block_k, block_q]
+        s, t = _scores((q,), (k,), spec, k_major=True)  # [block_k, block_q]
         if masked:
             rows = (start + jnp.arange(block_q))[None, :]
             q_seg = q_info.get("seg", tile)
@@ -472,7 +472,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     q_info, kv_info, tables, (dq_ref,) = _unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k_dq
-    q = (q_ref[...],)  # q, k rotated already: the products take them whole
+    q = q_ref[...]  # q, k rotated already: the products take them whole
     do = do_ref[...]
     m2 = m2_ref[...][:, None]
     inv_l = inv_l_ref[...][:, None]
@@ -486,7 +486,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
         tile = pl.ds(start, block_k)
         k = k_ref[tile, :]
         v = v_ref[tile, :]
-        s, t = _scores(q, (k,), spec)
+        s, t = _scores((q,), (k,), spec)
         if masked:
             cols = (start + jnp.arange(block_k))[None, :]
             kv_seg = kv_info.get("seg", tile)

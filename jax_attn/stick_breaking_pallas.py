@@ -512,7 +512,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
-    q = (q_ref[...],)  # q, k rotated already: the products take them whole, not in feature parts
+    q = q_ref[...]  # q, k rotated already: the products take them whole, not in feature parts
     do = do_ref[...]
     g0 = g0_ref[...]
     shift, up, down = 0.0, 1.0, 1.0
@@ -531,7 +531,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
         k = k_ref[tile, :]
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
-        z = _logits(q, (k,), spec, lam, rows, cols, st.fast)
+        z = _logits((q,), (k,), spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
         _, sigma, a = _stick(z, valid, c_ref[block, :][:, None] + shift, 1, st, tris)  # A 2^-shift
         da = _dot(do, v, spec, trans_b=True)
@@ -564,7 +564,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
     num_q_blocks = q_ref.shape[0] // block_q
-    k = (k_ref[...],)  # q, k rotated already: the products take them whole, not in feature parts
+    k = k_ref[...]  # q, k rotated already: the products take them whole, not in feature parts
     first_col = pl.program_id(0) * block_k
     first_head = pl.program_id(2) * group
     shift, up, down = _gradient_unit(bound_ref[first_head]) if st.fast else (0.0, 1.0, 1.0)
@@ -580,7 +580,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
         do = do_ref[tile, g, :]
         lam = decay_ref[first_head + g]
         rows = (start + jnp.arange(block_q))[None, :]
-        z = _logits((q,), k, spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
+        z = _logits((q,), (k,), spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
         # dA next to the logits' product, before the tile math (H100, 2x8192x16x128 bf16: fwd+bwd
         # 8.50 -> 8.42 ms, bit-equal; in the dQ kernel it took 8.51 -> 8.62)
         da = _dot(v, do, spec, trans_b=True)
