@@ -142,7 +142,8 @@ class _Ring:
         steps (traced) <= max_steps (static). `prepare` (with `landed`; `_SharedKeys`) copies
         array 0's blocks itself (`prepare.copy`) and transforms each in shared memory once it
         landed (`prepare(t, slot)`), before the compute warpgroups see it; `start`, `publish`
-        and `finish` are its hooks before the fills, after each step's `ready` and at the end."""
+        and `finish` are its hooks before the fills, after each step's `ready` and at the end;
+        `idle(t)` runs after step t's refill, while the compute warpgroups work."""
         def copy(t, i, src):
             if prepare is not None and i == 0:
                 prepare.copy(t, self.slots[0].at[self.slot(t)], self.landed.at[self.slot(t)])
@@ -178,6 +179,7 @@ class _Ring:
             # this warpgroup loads and prepares step t
             later = t - 1 + self.stages
             pl.when((t >= 1) & (later < steps))(lambda: refill(later))
+            prepare.idle(t)
 
         prepare.finish(steps)
 
@@ -427,9 +429,11 @@ class _SharedKeys:
     per call (a fresh Ref). A flag is read one step ahead of its block's load (a stale 0 only
     costs a redundant rotation) and kept until the block's flag is published (`slots`)."""
 
-    def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, smem, barriers, *, ring: _Ring, batch,
+    def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, smem, barriers, ahead, *, ring: _Ring, batch,
                  kv_head, bkv: int, lo):
-        self.rotary, self.k, self.k_rot, self.flags = rotary, k_ref, k_rot_ref, flags_ref
+        """ahead: the CTA's rotations for the next head (`_NextHead`), done in this stream's idle
+        time."""
+        self.rotary, self.k, self.k_rot, self.flags, self.ahead = rotary, k_ref, k_rot_ref, flags_ref, ahead
         (self.flag_rows, self.ones, self.base), (self.flag_ready, self.base_ready) = smem, barriers
         self.ring, self.batch, self.kv_head, self.bkv, self.lo = ring, batch, kv_head, bkv, lo
 
@@ -493,11 +497,13 @@ class _SharedKeys:
             plgpu.barrier_wait(self.base_ready.at[ring_slot])
             self.rotary.tile(slot, self.base.at[ring_slot])
 
+    def _set(self, flag):
+        plgpu.copy_smem_to_gmem(self.ones.at[pl.ds(0, FLAG_WORDS)], flag)
+
     def _publish(self, t, when):
         """Step t's flag (its block's store has completed), if `when` and step t rotated it."""
         t = jnp.maximum(t, 0)
-        pl.when(when & self._local(t))(
-            lambda: plgpu.copy_smem_to_gmem(self.ones.at[pl.ds(0, FLAG_WORDS)], self._flag(t)))
+        pl.when(when & self._local(t))(lambda: self._set(self._flag(t)))
 
     def publish(self, t, slot, steps):
         """After step t's block is ready: publish step t - 1's (its store has had a step to
@@ -508,10 +514,97 @@ class _SharedKeys:
         ahead = t + self.ring.stages
         pl.when(ahead < steps)(lambda: self._request(ahead))
 
+    def idle(self, t):
+        self.ahead.advance(t, self._set)
+
     def finish(self, steps):
         plgpu.wait_smem_to_gmem(0)
         self._publish(steps - 1, steps >= 1)
+        pl.when(steps == 0)(lambda: plgpu.barrier_wait(self.rotary.ready))  # else step 0 waited
+        self.ahead.finish(steps, self._set)
         plgpu.wait_smem_to_gmem(0)
+
+
+class _NextHead:
+    """The RoPE forward's rotations one head ahead. The grid runs heads outermost (a head's CTAs
+    share its K, V in L2), so a head's CTAs run together and would all rotate the same key blocks
+    at once; instead each CTA rotates, for the CTA at its place in the next head, that CTA's q
+    tile and one key block of the next head (where it starts a new kv head), stores them to q
+    rotated / k rotated and publishes their flags. Its producer does it in 64-row chunks in the
+    stream's idle time (`_SharedKeys.idle`: a chunk loads at one step and is rotated at the next),
+    a CTA with fewer steps finishes at its end. A pseudo-head of CTAs before head 0 does only
+    this, for head 0. The next head's CTAs find the flags set and load q and keys rotated; an
+    unset flag (a straggler) costs a rotation there: both write identical bytes."""
+
+    CHUNKS = 4  # the q tile's two 64-row halves, then the key block's (their flags: after 1 and 3)
+
+    def __init__(self, rotary, refs, smem, barriers, *, num_heads: int, group: int, q_first, bkv: int):
+        """refs: q, k, q rotated, k rotated, q flags [B, Hq, q tiles], k flags [B, Hkv, key blocks]."""
+        self.rotary = rotary
+        self.q, self.k, self.q_rot, self.k_rot, self.q_flags, self.k_flags = refs
+        (self.stage, self.base), self.landed = smem, barriers
+        self.batch, self.q_first, self.bkv = lax.axis_index("batch"), q_first, bkv
+        self.head = lax.axis_index("heads")  # the next head: the grid's head axis starts with the pseudo-head
+        self.kv_head = lax.div(self.head, jnp.array(group, self.head.dtype))
+        self.key_block = lax.axis_index("q_tiles")  # the first CTAs of a head take the first blocks
+        self.has_next = self.head < num_heads
+        self.keys = (self.has_next & (lax.rem(self.head, jnp.array(group, self.head.dtype)) == 0)
+                     & (self.key_block < self.k.shape[1] // bkv))
+
+    @staticmethod
+    def scratch(head_dim: int, dtype):
+        """(a 64-row stage, its base rows), (their barriers)."""
+        return ((_smem((ROPE_ROWS, head_dim), dtype), plgpu.SMEM((2, 1, head_dim // 2), jnp.float32)),
+                plgpu.Barrier(num_barriers=2))
+
+    def _chunk(self, c: int):
+        """(source, destination, 64-row block index) of chunk c."""
+        if c < 2:
+            first = self.q_first + c * ROPE_ROWS
+            rows = (self.batch, pl.ds(first, ROPE_ROWS), self.head)
+            return self.q.at[rows], self.q_rot.at[rows], first // ROPE_ROWS
+        first = self.key_block * self.bkv + (c - 2) * ROPE_ROWS
+        rows = (self.batch, pl.ds(first, ROPE_ROWS), self.kv_head)
+        return self.k.at[rows], self.k_rot.at[rows], first // ROPE_ROWS
+
+    def _enabled(self, c: int):
+        return self.keys if c >= 2 else self.has_next
+
+    def _load(self, c: int):
+        src, _, block = self._chunk(c)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's store has read the stage
+        plgpu.copy_gmem_to_smem(src, self.stage, self.landed.at[0])
+        self.rotary.copy_base(block, self.base, self.landed.at[1])
+
+    def _rotate(self, c: int):
+        _, dst, _ = self._chunk(c)
+        plgpu.barrier_wait(self.landed.at[0])
+        plgpu.barrier_wait(self.landed.at[1])
+        self.rotary.tile(self.stage, self.base)
+        plgpu.copy_smem_to_gmem(self.stage, dst)
+
+    def _flag(self, c: int):
+        if c == 1:
+            return self.q_flags.at[self.batch, self.head, self.q_first // (2 * ROPE_ROWS)]
+        return self.k_flags.at[self.batch, self.kv_head, self.key_block]
+
+    def advance(self, t, publish):
+        """Step t of the schedule (it ends at CHUNKS + 1): publish what chunk t - 2 completed (its
+        store has completed: the caller waited), rotate and store chunk t - 1, load chunk t."""
+        for c in (1, 3):
+            pl.when((t == c + 2) & self._enabled(c))(lambda c=c: publish(self._flag(c)))
+        for c in range(self.CHUNKS):
+            pl.when((t == c + 1) & self._enabled(c))(functools.partial(self._rotate, c))
+        for c in range(self.CHUNKS):
+            pl.when((t == c) & self._enabled(c))(functools.partial(self._load, c))
+
+    def finish(self, steps, publish):
+        """The schedule's steps the stream did not reach."""
+        for t in range(self.CHUNKS + 2):
+            @pl.when(t >= steps)
+            def _():
+                plgpu.wait_smem_to_gmem(0)
+                self.advance(t, publish)
 
 
 def _matmul(shape, a, b):
@@ -575,30 +668,35 @@ def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
 
 
 def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
-                 spec: AttentionSpec, kv_len: int, group: int, shared=None, leftwards: bool = False):
+                 spec: AttentionSpec, kv_len: int, group: int, shared=None, leftwards: bool = False,
+                 rotators: bool = False):
     """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
     compute warpgroup) and the producer streaming the key blocks they see. Runs
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
     first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
     the last key block holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys
-    come rotated (`_stream_kv`); `leftwards`: the stream runs from stream_hi - 1 down."""
+    come rotated (`_stream_kv`); `leftwards`: the stream runs from stream_hi - 1 down. `rotators`:
+    the grid's head axis starts with a pseudo-head whose CTAs compute nothing and stream nothing
+    (their producers only rotate for head 0: `_NextHead`)."""
     ring = _Ring(*ring[:3], stages, *ring[3:])
-    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads") - int(rotators), lax.axis_index("wg")
     pair_first = _query_pair(q_ref, bq, spec)
     before, after = _reach(spec)
     num_kv = k_ref.shape[1] // bkv
     ranges = [_partner_blocks(pair_first + w * bq, bq, bkv, num_kv, before, after, kv_len % bkv != 0)
               for w in range(2)]
     stream = (ranges[0][0], ranges[1][3])
+    if rotators:
+        stream = (stream[0], jnp.where(head < 0, stream[0], stream[1]))
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[1], action="increase")
         first = pair_first + wg * bq
         own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
-        compute(batch, head, wg, first, own_blocks, stream, ring)
+        pl.when(head >= 0)(lambda: compute(batch, head, wg, first, own_blocks, stream, ring))
 
-    kv_head = lax.div(head, jnp.array(group, head.dtype))
+    kv_head = lax.div(jnp.maximum(head, 0), jnp.array(group, head.dtype))
     pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared,
                                        leftwards))
 
@@ -611,32 +709,53 @@ def _split_tables(refs, spec: AttentionSpec):
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: AttentionSpec,
                     kv_len: int, group: int):
-    """Outputs o, lse2 and, with RoPE, k rotated (`_SharedKeys`: after the tables, its flags come
-    as an input Ref) and, given a fourth output (differentiated), q rotated."""
+    """Outputs o, lse2 and, with RoPE (after the tables, the k and q flags come as input Refs), k
+    rotated and q rotated (`_SharedKeys`, `_NextHead`; the backward reads them)."""
     *refs, own, ring = refs
     tables, outputs = _split_tables(tuple(refs), spec)
     rotary = shared = None
-    if tables:
-        flags_ref, o_ref, lse_ref, k_rot_ref, *q_rot_ref = outputs
-        (q_smem, rotary_smem, shared_smem), (own_ready, rotary_barriers, shared_barriers) = own
-        rotary = _Rotary(spec.rope.style, *tables, rotary_smem, rotary_barriers)
-        shared = functools.partial(_SharedKeys, rotary, k_ref, k_rot_ref, flags_ref, shared_smem, shared_barriers)
-    else:
-        (o_ref, lse_ref), ((q_smem,), own_ready), q_rot_ref = outputs, own, ()
     bq, bkv = blocks.block_q, blocks.block_kv
+    if tables:
+        k_flags, q_flags, o_ref, lse_ref, k_rot_ref, q_rot_ref = outputs
+        (q_smem, rotary_smem, shared_smem, ahead_smem, q_flag_rows), \
+            (own_ready, rotary_barriers, shared_barriers, ahead_barriers, q_flag_ready) = own
+        rotary = _Rotary(spec.rope.style, *tables, rotary_smem, rotary_barriers)
+        ahead = _NextHead(rotary, (q_ref, k_ref, q_rot_ref, k_rot_ref, q_flags, k_flags), ahead_smem, ahead_barriers,
+                          num_heads=q_ref.shape[2], group=group, q_first=_query_pair(q_ref, bq, spec), bkv=bkv)
+        shared = functools.partial(_SharedKeys, rotary, k_ref, k_rot_ref, k_flags, shared_smem, shared_barriers,
+                                   ahead)
+    else:
+        (o_ref, lse_ref), ((q_smem,), own_ready) = outputs, own
     scale2 = spec.scale * LOG2E
+
+    def load_rotated_q(batch, head, wg, rows, q_tile):
+        """q rotated into q_tile: published by the CTA before (`_NextHead`), or rotated here."""
+        flag = q_flag_rows.at[wg]
+        plgpu.copy_gmem_to_smem(q_flags.at[batch, head, rows.start // (2 * bq)], flag, q_flag_ready.at[wg])
+        plgpu.barrier_wait(q_flag_ready.at[wg])
+        published = flag[0] != 0
+        pl.when(published)(lambda: plgpu.copy_gmem_to_smem(q_rot_ref.at[batch, rows, head], q_tile, own_ready.at[wg]))
+
+        @pl.when(~published)
+        def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
+            rotary.prefetch(wg, rows.start // ROPE_ROWS)
+
+        plgpu.barrier_wait(own_ready.at[wg])
+
+        @pl.when(~published)
+        def _():
+            rotary.tile(q_tile, rotary.own_base(wg))
+            plgpu.copy_smem_to_gmem(q_tile, q_rot_ref.at[batch, rows, head])
 
     def compute(batch, head, wg, first, own_blocks, stream, ring):
         stream_lo, stream_hi = stream
         q_tile, rows = q_smem.at[wg], pl.ds(first, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
-        if rotary is not None:
-            rotary.prefetch(wg, first // ROPE_ROWS)
-        plgpu.barrier_wait(own_ready.at[wg])
-        if rotary is not None:
-            rotary.tile(q_tile, rotary.own_base(wg))
-            if q_rot_ref:  # the backward reads q rotated
-                plgpu.copy_smem_to_gmem(q_tile, q_rot_ref[0].at[batch, rows, head])
+        if rotary is None:
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
+            plgpu.barrier_wait(own_ready.at[wg])
+        else:
+            load_rotated_q(batch, head, wg, rows, q_tile)
 
         def step(t, carry, masked: bool):
             m, l, acc = carry
@@ -667,14 +786,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
 
         empty = l == 0.0  # no visible key: output 0, lse -inf (never NaN)
         l_safe = jnp.where(empty, 1.0, l)
-        if q_rot_ref:
+        if rotary is not None:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_tile is reused below
         # lse straight from registers (a [64] fp32 row is too small for a TMA's staging to pay)
         lse_ref.at[batch, head, rows][...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe) * LOG2E)
         _store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
 
     _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
-                 kv_len=kv_len, group=group, shared=shared)
+                 kv_len=kv_len, group=group, shared=shared, rotators=rotary is not None)
 
 
 def _backward_own(own, tables, spec: AttentionSpec):
@@ -848,11 +967,9 @@ def _check_rope_blocks(blocks: MosaicBlocks):
 
 
 # The forward's grid; Pallas launches its last axis fastest. Heads outermost: a head's query tiles
-# run together and share its K, V in L2. With RoPE, query tiles outermost: a kv head's CTAs then
-# run a few at a time (every wave holds every head), so the rotated key blocks they publish
-# (`_SharedKeys`) are there for the later waves instead of being rotated by all of them at once.
+# run together and share its K, V in L2 (with RoPE too: `_NextHead` rotates a head's q and keys
+# while the head before runs).
 FORWARD_GRID = ("heads", "q_tiles", "batch")
-ROPE_FORWARD_GRID = ("q_tiles", "heads", "batch")
 
 
 def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None,
@@ -884,19 +1001,22 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
     own_ready = plgpu.Barrier(num_barriers=2)  # each compute warpgroup's q tile
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
     args = (q, k, v)
-    if spec.rope is not None:
-        flags = jax.new_ref(jnp.zeros((batch, k.shape[2], k.shape[1] // blocks.block_kv, FLAG_WORDS), jnp.int32))
-        args += (*rope, flags)
-        shared_smem, shared_barriers = _SharedKeys.scratch(blocks.stages, blocks.block_kv, head_dim)
-        rotary_smem, rotary_barriers = _Rotary.scratch(head_dim)
-        own_smem, own_ready = own_smem + (rotary_smem, shared_smem), (own_ready, rotary_barriers, shared_barriers)
-        out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype),) + (jax.ShapeDtypeStruct(q.shape, q.dtype),) * rotated
     sizes = dict(heads=num_heads, q_tiles=q_pad // blocks.q_tile, batch=batch)
-    names = FORWARD_GRID if spec.rope is None else ROPE_FORWARD_GRID
-    out, lse, *k_q_rot = _launch(kernel, args, out_type, tuple(sizes[n] for n in names), names, (own_smem, own_ready),
+    if spec.rope is not None:  # flags: fresh zeros per call
+        k_flags = jax.new_ref(jnp.zeros((batch, k.shape[2], k.shape[1] // blocks.block_kv, FLAG_WORDS), jnp.int32))
+        q_flags = jax.new_ref(jnp.zeros((batch, num_heads, sizes["q_tiles"], FLAG_WORDS), jnp.int32))
+        args += (*rope, k_flags, q_flags)
+        scratch = (_Rotary.scratch(head_dim), _SharedKeys.scratch(blocks.stages, blocks.block_kv, head_dim),
+                   _NextHead.scratch(head_dim, q.dtype), (plgpu.SMEM((2, FLAG_WORDS), jnp.int32), plgpu.Barrier(num_barriers=2)))
+        own_smem += tuple(smem for smem, _ in scratch)
+        own_ready = (own_ready, *(barriers for _, barriers in scratch))
+        out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype))
+        sizes["heads"] += 1  # the pseudo-head first (`_NextHead`)
+    out, lse, *k_q_rot = _launch(kernel, args, out_type, tuple(sizes[n] for n in FORWARD_GRID), FORWARD_GRID,
+                                 (own_smem, own_ready),
                                  _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype,
                                                prepared=spec.rope is not None))
-    # k rotated is the producers' exchange; the backward reads it too
+    # k and q rotated are the CTAs' exchange; the backward reads them
     return (out, lse, *k_q_rot[::-1]) if rotated else (out, lse)
 
 

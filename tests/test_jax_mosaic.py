@@ -208,6 +208,9 @@ GPU_CASES = [
     ((1, 1000, 1000, 4, 4, 128), jnp.bfloat16, dict(causal=True, rope=Rope(style="half"))),
     ((1, 777, 1111, 4, 1, 96), jnp.float16, dict(rope=Rope(style="half"))),  # halves padded apart
     ((1, 600, 600, 4, 2, 64), jnp.float16, dict(causal=True, window=(200, 0), rope=Rope(base=500.0))),
+    # every head its own kv head: each head's CTAs rotate the next head's keys (`_NextHead`)
+    ((1, 4096, 4096, 8, 8, 128), jnp.bfloat16, dict(causal=True, rope=Rope(style="half"))),
+    ((1, 1111, 777, 4, 2, 64), jnp.float16, dict(causal=True, rope=Rope())),  # more query tiles than key blocks
 ]
 
 
