@@ -679,7 +679,9 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
     the grid's head axis starts with a pseudo-head whose CTAs compute nothing and stream nothing
     (their producers only rotate for head 0: `_NextHead`)."""
     ring = _Ring(*ring[:3], stages, *ring[3:])
-    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads") - int(rotators), lax.axis_index("wg")
+    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    if rotators:
+        head = head - 1
     pair_first = _query_pair(q_ref, bq, spec)
     before, after = _reach(spec)
     num_kv = k_ref.shape[1] // bkv
@@ -694,9 +696,13 @@ def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stage
         plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[1], action="increase")
         first = pair_first + wg * bq
         own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
-        pl.when(head >= 0)(lambda: compute(batch, head, wg, first, own_blocks, stream, ring))
+        run = functools.partial(compute, batch, head, wg, first, own_blocks, stream, ring)
+        if rotators:
+            pl.when(head >= 0)(run)
+        else:
+            run()
 
-    kv_head = lax.div(jnp.maximum(head, 0), jnp.array(group, head.dtype))
+    kv_head = lax.div(jnp.maximum(head, 0) if rotators else head, jnp.array(group, head.dtype))
     pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared,
                                        leftwards))
 
