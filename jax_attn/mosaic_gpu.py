@@ -17,12 +17,14 @@ base 2 (P = exp2(s2 - lse2)), exact enough for 16-bit gradients.
 Serves softmax attention with causal and sliding-window masks (any lengths, GQA, any scale,
 16-bit, padded head dim 64 or 128): each warpgroup walks only the blocks its rows can see, the
 edge blocks masked (`_partner_blocks`); `unsupported_reason` names what it does not serve.
-RoPE at positions arange (`_Rotary`): the compute warpgroups rotate their own query block; the
-forward's CTAs share the rotated key blocks through gmem (`_SharedKeys`): a producer loads a
-block another CTA published, or rotates it in shared memory before it signals it ready and
-publishes it. The backward reads q and k rotated (both written by the forward; a key block no
-query sees is never rotated, and never read) and rotates dq, dk back; the rotations outside the
-producer take their tables from shared memory, prefetched at the CTA's start.
+RoPE at positions arange (`_Rotary`): the forward rotates each q tile and key block once and its
+CTAs share them through gmem. While a head's CTAs run, each one's producer rotates the q tile and
+one key block that the next head's CTA at its place will need and publishes them (`_NextHead`; a
+pseudo-head of CTAs does it for head 0); a CTA loads its q tile and key blocks rotated where they
+were published, or rotates them itself (`_SharedKeys` for keys: in shared memory, before it
+signals the block ready). The backward reads q and k rotated (both written by the forward; a key
+block no query sees may hold garbage, and is never read) and rotates dq, dk back; the rotations
+outside the producer take their tables from shared memory, prefetched at the CTA's start.
 
 No interpreter runs these kernels on CPU (jax 0.10); the tests lower them there and run them on
 the GPU.
@@ -983,8 +985,9 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], padded to `blocks.tiles`, D in HEAD_DIMS; keys >=
     kv_len are padding (masked). With spec.rope, `rope` = `rope_tables(...)` covering both lengths.
     -> (out [B, Sq, Hq, D], lse2 [B, Hq, Sq] float32, base 2, of the scaled scores
-    [, q rotated, k rotated, if `rotated`: what the backward reads]). Key blocks no query sees
-    are never rotated: k rotated holds garbage there, which the backward never reads."""
+    [, q rotated, k rotated, if `rotated`: what the backward reads]). k rotated may hold garbage
+    in key blocks no query sees (`_NextHead` rotates them where it reaches them); the backward
+    never reads them."""
     launch = functools.partial(_forward_launch, spec=spec, kv_len=kv_len, blocks=blocks, rotated=rotated)
     if spec.rope is None:
         return launch(q, k, v)

@@ -201,8 +201,8 @@ GPU_CASES = [
     ((1, 300, 700, 4, 2, 64), jnp.bfloat16, dict(causal=True)),  # keys past the last row: dK = dV = 0
     ((2, 1500, 1500, 8, 2, 128), jnp.bfloat16, dict(causal=True, window=(256, 0))),  # sliding window
     ((1, 1000, 1200, 4, 4, 64), jnp.float16, dict(window=(100, 37))),
-    # RoPE at positions arange: the forward's CTAs rotate the streamed key blocks and share them
-    # through gmem (`_SharedKeys`), which the backward reads; dQ, dK rotated back
+    # RoPE at positions arange: the forward's CTAs rotate q tiles and key blocks one head ahead and
+    # share them through gmem (`_NextHead`, `_SharedKeys`), which the backward reads; dQ, dK rotated back
     ((2, 1024, 1024, 8, 2, 128), jnp.bfloat16, dict(causal=True, rope=Rope())),
     ((1, 4096, 4096, 8, 2, 128), jnp.bfloat16, dict(causal=True, rope=Rope())),  # 2 waves: later CTAs load shared keys
     ((1, 1000, 1000, 4, 4, 128), jnp.bfloat16, dict(causal=True, rope=Rope(style="half"))),
