@@ -1015,8 +1015,9 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
         k_flags = jax.new_ref(jnp.zeros((batch, k.shape[2], k.shape[1] // blocks.block_kv, FLAG_WORDS), jnp.int32))
         q_flags = jax.new_ref(jnp.zeros((batch, num_heads, sizes["q_tiles"], FLAG_WORDS), jnp.int32))
         args += (*rope, k_flags, q_flags)
+        q_flag_rows = (plgpu.SMEM((2, FLAG_WORDS), jnp.int32), plgpu.Barrier(num_barriers=2))  # per compute warpgroup
         scratch = (_Rotary.scratch(head_dim), _SharedKeys.scratch(blocks.stages, blocks.block_kv, head_dim),
-                   _NextHead.scratch(head_dim, q.dtype), (plgpu.SMEM((2, FLAG_WORDS), jnp.int32), plgpu.Barrier(num_barriers=2)))
+                   _NextHead.scratch(head_dim, q.dtype), q_flag_rows)
         own_smem += tuple(smem for smem, _ in scratch)
         own_ready = (own_ready, *(barriers for _, barriers in scratch))
         out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype))
