@@ -638,6 +638,14 @@ def _store_tiles(pairs):
     plgpu.wait_smem_to_gmem(0)
 
 
+# The dK/dV kernel's compute warpgroups hold dK, dV and the step's S, dP: at 232 registers ptxas
+# spills 252 bytes per thread there (D=128), at 240 152 bytes, and its producer needs few. H100,
+# bf16 causal forward+backward against 40/232, 9 paired rounds: 2x8192x16x128 0.987x, 4x4096x32x128
+# with 8 kv heads 0.936x, head dim 64 unchanged; 56/224 1.108x, 72/216 1.160x
+# (benchmarks/results/dkdv-registers-s16-2026-11-25.txt).
+DKDV_PRODUCER_REGISTERS = 24
+
+
 def _register_split(producer: int) -> tuple[int, int]:
     """(producer, compute) registers per thread (multiples of 8). The CTA's 384 threads start with
     168 each (64K / 384, rounded down to 8) and setmaxnreg only moves registers between its
@@ -889,7 +897,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
 
     @pl.when(wg < 2)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(_register_split(DKDV_PRODUCER_REGISTERS)[1], action="increase")
         first = pair_first + wg * bkv
         own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         keys = pl.ds(first, bkv)
@@ -940,7 +948,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
 
     @pl.when(wg == 2)
     def _produce():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(_register_split(DKDV_PRODUCER_REGISTERS)[0], action="decrease")
 
         def sources(t):
             head, i = at(t)
