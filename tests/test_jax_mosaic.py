@@ -6,6 +6,8 @@ it through this jax's Mosaic GPU API) and the call is refused with its reason. T
 (sm90) run it against the float64 golden, forward and gradients."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,44 @@ def test_rope_kernels_lower_for_cuda(style, head_dim, group):
     assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows, tables).lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ValueError, match="block_q = block_q_bwd = block_kv_bwd = 64"):
         mosaic_gpu.flash_forward(q, kv, kv, spec, 200, mosaic_gpu.MosaicBlocks(block_q=128), tables)
+
+
+@pytest.mark.parametrize("has_next, keys", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("steps", range(8))
+def test_next_head_schedule(monkeypatch, has_next, keys, steps):
+    """`_NextHead`'s chunks as the RoPE forward's producer runs them (a completed-store wait at
+    each step's start, `advance` after the step's refill, `finish` at the end), for streams of any
+    length: each enabled chunk loads once into the one stage and is rotated before the next
+    loads; a flag (q after chunk 1, keys after chunk 3) follows a completed-store wait after its
+    last chunk's rotation (which stores it); nothing runs for a disabled chunk."""
+    log = []
+
+    class Recording(mosaic_gpu._NextHead):
+        def __init__(self):
+            self.has_next, self.keys = has_next, keys
+
+        def _load(self, c):
+            log.append(("load", c))
+
+        def _rotate(self, c):
+            log.append(("rotate", c))
+
+        def _flag(self, c):
+            return c
+
+    monkeypatch.setattr(mosaic_gpu, "plgpu", SimpleNamespace(wait_smem_to_gmem=lambda *a, **k: log.append(("wait",))))
+    ahead, publish = Recording(), lambda flag: log.append(("flag", flag))
+    for t in range(steps):
+        log.append(("wait",))  # `_SharedKeys.publish`, before the refill and `idle`
+        ahead.advance(t, publish)
+    ahead.finish(steps, publish)
+
+    enabled = [c for c in range(mosaic_gpu._NextHead.CHUNKS) if (keys if c >= 2 else has_next)]
+    assert [e for e in log if e[0] != "wait" and e[0] != "flag"] == [(k, c) for c in enabled for k in ("load", "rotate")]
+    flags = [c for c in (1, 3) if c in enabled]
+    assert [e[1] for e in log if e[0] == "flag"] == flags
+    for c in flags:
+        assert ("wait",) in log[log.index(("rotate", c)):log.index(("flag", c))]
 
 
 def test_vmap_folds_into_the_grid_and_refuses_rope_clearly():
