@@ -585,9 +585,14 @@ class _NextHead:
         self.rotary.tile(self.stage, self.base)
         plgpu.copy_smem_to_gmem(self.stage, dst)
 
+    @staticmethod
+    def q_flag(q_flags, batch, head, row):
+        """The flag of the query tile (2 x 64 rows, a CTA's) holding `row`."""
+        return q_flags.at[batch, head, row // (2 * ROPE_ROWS)]
+
     def _flag(self, c: int):
         if c == 1:
-            return self.q_flags.at[self.batch, self.head, self.q_first // (2 * ROPE_ROWS)]
+            return self.q_flag(self.q_flags, self.batch, self.head, self.q_first)
         return self.k_flags.at[self.batch, self.kv_head, self.key_block]
 
     def advance(self, t, publish):
@@ -747,7 +752,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
     def load_rotated_q(batch, head, wg, rows, q_tile):
         """q rotated into q_tile: published by the CTA before (`_NextHead`), or rotated here."""
         flag = q_flag_rows.at[wg]
-        plgpu.copy_gmem_to_smem(q_flags.at[batch, head, rows.start // (2 * bq)], flag, q_flag_ready.at[wg])
+        plgpu.copy_gmem_to_smem(_NextHead.q_flag(q_flags, batch, head, rows.start), flag, q_flag_ready.at[wg])
         plgpu.barrier_wait(q_flag_ready.at[wg])
         published = flag[0] != 0
         pl.when(published)(lambda: plgpu.copy_gmem_to_smem(q_rot_ref.at[batch, rows, head], q_tile, own_ready.at[wg]))

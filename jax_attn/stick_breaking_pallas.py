@@ -657,7 +657,6 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
     per_head = lambda x: _pad_axis(jnp.repeat(x, group, axis=1), 1, decay.shape[0], mode="edge")
     head_spec = pl.BlockSpec((None, decay.shape[0]), lambda _, b, h: (b, 0))  # [B, H (padded)] per program
-    fast = st.fast  # (v_max is None otherwise)
     tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
     tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
     first, bounds, extras = _spent_bounds(spent, bq, blocks.block_q_dkv, group, bk)
@@ -678,12 +677,12 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
         in_specs=[q_block_spec, kv_full_spec, kv_full_spec, decay_spec, head_spec, q_block_spec, row_spec,
                   boundary_spec, pl.BlockSpec((None, None, first.shape[2]), lambda i, b, h: (b, h, 0)),
                   tri_spec, *side_specs],
-        out_specs=[q_block_spec, row_spec, boundary_spec] + [row_spec] * fast,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), rows, boundary] + [rows] * fast,
+        out_specs=[q_block_spec, row_spec, boundary_spec] + [row_spec] * st.fast,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), rows, boundary] + [rows] * st.fast,
         compiler_params=params, interpret=st.interpret, name="stick_breaking_bwd_dq",
-    )(q, k, v, decay, per_head(v_max if fast else zeros), do, g0, c_sums, first, tris[0], *side_args)
+    )(q, k, v, decay, per_head(v_max if st.fast else zeros), do, g0, c_sums, first, tris[0], *side_args)
     # the dK/dV unit: from the bounds of every row of the kv head's group
-    bound = row_bounds[0].reshape(batch, num_kv_heads, group * seq_pad).max(axis=2) if fast else zeros
+    bound = row_bounds[0].reshape(batch, num_kv_heads, group * seq_pad).max(axis=2) if st.fast else zeros
 
     # dK/dV: query-side arrays viewed per kv head
     q_group_spec = pl.BlockSpec((None, seq_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
