@@ -46,8 +46,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_attn  # noqa: E402
 from jax_attn import Rope, StickBreakingBlocks, flash_attention, stick_breaking_attention  # noqa: E402
-from jax_attn.spec import AttentionSpec  # noqa: E402
-from jax_attn.stick_breaking_pallas import stick_breaking_pallas  # noqa: E402
+from jax_attn.ops.common.spec import AttentionSpec  # noqa: E402
+from jax_attn.ops.stick_breaking.triton import stick_breaking_pallas  # noqa: E402
 
 SWEEP = [  # block_q, block_k, block_q_dkv, num_warps, num_stages (--sweep)
     (64, 64, 32, 4, 2), (64, 64, 64, 4, 2), (64, 64, 64, 4, 3), (64, 64, 64, 8, 2), (128, 64, 64, 8, 2), (64, 32, 64, 4, 2),

@@ -20,9 +20,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_attn.api import _fp32_precision  # noqa: E402
-from jax_attn.pallas_triton import default_block_sizes, flash_attention_pallas  # noqa: E402
-from jax_attn.rope import Rope  # noqa: E402
-from jax_attn.spec import AttentionSpec  # noqa: E402
+from jax_attn.ops.softmax.triton import default_block_sizes, flash_attention_pallas  # noqa: E402
+from jax_attn.ops.common.rope import Rope  # noqa: E402
+from jax_attn.ops.common.spec import AttentionSpec  # noqa: E402
 
 FWD_GRID = [  # block_q, block_k, num_warps, num_stages
     (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),

@@ -1,19 +1,19 @@
-"""Attention variants as Pallas GPU kernels (Triton lowering; on Hopper the softmax forward also
-as a Mosaic GPU kernel) for JAX.
+"""Attention variants as Pallas GPU kernels (Triton lowering; Mosaic GPU on Hopper) for JAX.
 
 Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD).
 """
-from jax_attn.api import IMPLEMENTATIONS, default_implementation, flash_attention
+from jax_attn.api import flash_attention, stick_breaking_attention
 from jax_attn.device import DeviceInfo, device_info, recommended_dtype
-from jax_attn.layers import EncoderBlock, MultiHeadSelfAttention, attention_fn, make_attention_fn
-from jax_attn.mosaic_gpu import MosaicBlocks
-from jax_attn.pallas_triton import BlockSizes, default_block_sizes
-from jax_attn.positions import sinusoidal_positions
-from jax_attn.rope import Rope, apply_rope
-from jax_attn.spec import AttentionSpec
-from jax_attn.stick_breaking import stick_breaking_attention, stick_breaking_reference
-from jax_attn.stick_breaking_pallas import StickBreakingBlocks
-from jax_attn.xla import attention_reference
+from jax_attn.nn.layers import EncoderBlock, MultiHeadSelfAttention, attention_fn, make_attention_fn
+from jax_attn.nn.positions import sinusoidal_positions
+from jax_attn.ops.common.rope import Rope, apply_rope
+from jax_attn.ops.common.spec import AttentionSpec
+from jax_attn.ops.softmax.mosaic import MosaicBlocks
+from jax_attn.ops.softmax.reference import attention_reference
+from jax_attn.ops.softmax.triton import BlockSizes, default_block_sizes
+from jax_attn.ops.stick_breaking.reference import stick_breaking_reference
+from jax_attn.ops.stick_breaking.triton import StickBreakingBlocks
+from jax_attn.registry import IMPLEMENTATIONS, default_implementation
 
 __all__ = [
     "AttentionSpec", "BlockSizes", "DeviceInfo", "IMPLEMENTATIONS", "attention_reference",

@@ -1,4 +1,4 @@
-"""implementation="mosaic_gpu": the Hopper kernels (Pallas Mosaic GPU, `jax_attn.mosaic_gpu`),
+"""implementation="mosaic_gpu": the Hopper kernels (Pallas Mosaic GPU, `jax_attn.ops.softmax.mosaic`),
 forward and backward.
 
 CPU: no interpreter runs a Mosaic GPU kernel here, so the kernel is lowered for CUDA (which traces
@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 import jax_attn
-from jax_attn import flash_attention, mosaic_gpu
-from jax_attn.rope import Rope
-from jax_attn.spec import AttentionSpec, visible
+from jax_attn import flash_attention
+from jax_attn.ops.common import mosaic_frame as frame
+from jax_attn.ops.softmax import mosaic as mosaic_gpu
+from jax_attn.ops.common.rope import Rope
+from jax_attn.ops.common.spec import AttentionSpec, visible
 from jax_golden import _inputs, _run, check_against_golden
 
 
@@ -110,8 +112,8 @@ def test_rope_tables_rotate_as_the_reference(style, head_dim, head_pad):
     """The kernels' rotation, (a, b) -> (a cos - b sin, b cos + a sin) per pair, cos/sin by angle
     addition from `rope_tables` (pairs in `_pair_order`), equals `apply_rope`; R^T undoes it. (On
     the GPU the golden tests run the kernels themselves.)"""
-    from jax_attn.pallas_triton import _pad_head_dim
-    from jax_attn.rope import apply_rope, merge_pairs, split_pairs
+    from jax_attn.ops.common.padding import pad_head_dim
+    from jax_attn.ops.common.rope import apply_rope, merge_pairs, split_pairs
     rope, length = Rope(style=style), 256
     spec = AttentionSpec(scale=1.0, rope=rope)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, length, 1, head_dim)), jnp.float32)
@@ -122,9 +124,9 @@ def test_rope_tables_rotate_as_the_reference(style, head_dim, head_pad):
     if style == "interleaved":  # table column -> pair
         natural = jnp.argsort(mosaic_gpu._pair_order(head_pad // 2))
         cos, sin = cos[:, natural], sin[:, natural]
-    a, b = split_pairs(_pad_head_dim(x, spec, head_pad, True)[0, :, 0], style)
+    a, b = split_pairs(pad_head_dim(x, spec, head_pad, True)[0, :, 0], style)
     rotated = merge_pairs(a * cos - b * sin, b * cos + a * sin, style)
-    expected = _pad_head_dim(apply_rope(x, None, rope), spec, head_pad, True)[0, :, 0]
+    expected = pad_head_dim(apply_rope(x, None, rope), spec, head_pad, True)[0, :, 0]
     # both round fp32 angles of up to 256 rad (ulp 3e-5), at different points
     np.testing.assert_allclose(rotated, expected, atol=1e-4)
     ra, rb = split_pairs(rotated, style)
@@ -160,14 +162,14 @@ def test_visited_blocks_cover_the_mask(causal, window, q_len, kv_len):
     spec = AttentionSpec(scale=1.0, causal=causal, window_left=left, window_right=right)
     rows, keys = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
     mask = np.asarray(visible(spec, rows, keys, kv_len))
-    before, after = mosaic_gpu._reach(spec)
+    before, after = frame.reach(spec)
     for own, size, block, num_own, num_partner, orient, b, a, ragged in (
             ("rows", 64, 128, q_len, kv_len, mask, before, after, kv_len % 128 != 0),
             ("keys", 64, 64, kv_len, q_len, mask.T, after, before, False)):
         num = -(-num_partner // block)
         previous = (0, 0, 0, 0)
         for first in range(0, num_own, size):
-            lo, plain_lo, plain_hi, hi = (int(x) for x in mosaic_gpu._partner_blocks(
+            lo, plain_lo, plain_hi, hi = (int(x) for x in frame.partner_blocks(
                 first, size, block, num, b, a, ragged))
             assert lo <= plain_lo <= plain_hi <= hi <= num, (own, first)
             assert all(x >= y for x, y in zip((lo, hi), (previous[0], previous[3]))), (own, first)

@@ -168,9 +168,9 @@ def _check_skipping(shape, dtype, decay, scale, quiet, rope=None, forward="palla
     far keys' A stay ~1e-3, so a tile of theirs left out shows in dk and dv. Without RoPE (S a
     tile multiple, D a power of two) returns the forward's spent key blocks per row [Hq, S] and
     how many steps each dK/dV program walked from its list (`_spent_bounds`) [Hkv, key blocks]."""
-    from jax_attn.spec import AttentionSpec
-    from jax_attn.stick_breaking_pallas import _spent_bounds, _Static, _stick_breaking_fwd
-    from jax_attn.stick_breaking_pallas import default_stick_breaking_blocks, stick_breaking_pallas
+    from jax_attn.ops.common.spec import AttentionSpec
+    from jax_attn.ops.stick_breaking.triton import _spent_bounds, _Static, _stick_breaking_fwd
+    from jax_attn.ops.stick_breaking.triton import default_stick_breaking_blocks, stick_breaking_pallas
 
     check(shape, dtype=dtype, decay=decay, scale=scale, rope=rope, implementation=forward, quiet=quiet)
     q, k, v, do, drem = (jnp.asarray(x, dtype) for x in _draw(0, *shape, quiet=quiet, scale=scale))
@@ -214,7 +214,7 @@ def test_spent_bounds_walk_exactly_the_needed_steps():
     """`_spent_bounds` against a plain enumeration: each dK/dV program walks, past the diagonal's
     steps, exactly the steps (query block, group head) with a row not spent at its key block,
     each once and in order; each dQ block starts at its rows' first needed key block."""
-    from jax_attn.stick_breaking_pallas import _spent_bounds
+    from jax_attn.ops.stick_breaking.triton import _spent_bounds
 
     batch, heads, group, seq, bq, bq_dkv, bk = 2, 4, 2, 512, 64, 32, 64
     rng = np.random.default_rng(0)
@@ -351,8 +351,8 @@ def test_gpu(dtype, shape, kw):
 def test_mosaic_forward_lowers_for_cuda(head_dim, group):
     """No interpreter runs Mosaic GPU kernels: the forward and its gradient (the Triton backward
     reading the Mosaic forward's sums) are lowered for CUDA, which traces both kernels."""
-    from jax_attn.spec import AttentionSpec
-    from jax_attn.stick_breaking_pallas import _stick_breaking, _Static, default_stick_breaking_blocks
+    from jax_attn.ops.common.spec import AttentionSpec
+    from jax_attn.ops.stick_breaking.triton import _stick_breaking, _Static, default_stick_breaking_blocks
 
     spec = AttentionSpec(scale=head_dim ** -0.5, causal=True)
     st = _Static(spec, default_stick_breaking_blocks(head_dim, False, jnp.bfloat16), False, jnp.dtype(jnp.bfloat16),
@@ -381,15 +381,17 @@ def test_default_is_the_triton_forward_on_hopper_too(monkeypatch):
     """implementation=None picks "pallas_triton" on an sm90 GPU too, where "mosaic_gpu" would serve
     the call: the Mosaic forward walks every tile, the Triton one skips the spent sticks'."""
     import jax_attn
-    from jax_attn import mosaic_gpu, stick_breaking, stick_breaking_mosaic
-    from jax_attn.spec import AttentionSpec
+    from jax_attn import registry
+    from jax_attn.ops.softmax import mosaic as mosaic_gpu
+    from jax_attn.ops.stick_breaking import mosaic as stick_breaking_mosaic
+    from jax_attn.ops.common.spec import AttentionSpec
 
     hopper = jax_attn.DeviceInfo("gpu", "NVIDIA H100 (pretended)", (9, 0), None, 132)
     monkeypatch.setattr(mosaic_gpu, "device_info", lambda: hopper)
     called = []
-    for name in stick_breaking.IMPLEMENTATIONS:
+    for name in registry.STICK_BREAKING:
         fake = lambda q, k, v, decay, spec, pos, name=name: (called.append(name), (q, None))[1]
-        monkeypatch.setitem(stick_breaking.IMPLEMENTATIONS, name, fake)
+        monkeypatch.setitem(registry.STICK_BREAKING, name, fake)
     x = jnp.ones((1, 8, 4, 64), jnp.bfloat16)
     assert stick_breaking_mosaic.unsupported_reason(AttentionSpec(scale=1.0, causal=True), 64, x.dtype) is None
     stick_breaking_attention(x, x, x)
@@ -424,8 +426,8 @@ def test_gpu_huge_logits(dtype, implementation):
 def _forward_at_tiles(seed, shape, decay, blocks, rope=None):
     """The Pallas forward (interpreter) at the given tiles against the golden, fp32."""
     from jax_attn import stick_breaking_reference
-    from jax_attn.spec import AttentionSpec
-    from jax_attn.stick_breaking_pallas import StickBreakingBlocks, stick_breaking_pallas
+    from jax_attn.ops.common.spec import AttentionSpec
+    from jax_attn.ops.stick_breaking.triton import StickBreakingBlocks, stick_breaking_pallas
 
     q, k, v, _, _ = _draw(seed, *shape)
     spec = AttentionSpec(scale=shape[-1] ** -0.5, causal=True, rope=rope, precision=jax.lax.Precision.HIGHEST)

@@ -9,14 +9,14 @@ three warpgroups:
     registers, base 2 with the scale folded into one FMA. While one warpgroup does elementwise
     work, the other's matmuls keep the tensor cores busy;
   - one producer warpgroup streaming the other side's blocks (K, V or Q, dO) by TMA through a
-    ring of shared-memory slots (`_Ring`); a slot is refilled once both compute warpgroups
+    ring of shared-memory slots (`frame.Ring`); a slot is refilled once both compute warpgroups
     released it.
 The backward mirrors the engine's (`pallas_triton`): a dQ kernel and a dK/dV kernel looping over
 the GQA group's query heads, no atomics, deterministic; P is recomputed from the forward's lse in
 base 2 (P = exp2(s2 - lse2)), exact enough for 16-bit gradients.
 Serves softmax attention with causal and sliding-window masks (any lengths, GQA, any scale,
 16-bit, padded head dim 64 or 128): each warpgroup walks only the blocks its rows can see, the
-edge blocks masked (`_partner_blocks`); `unsupported_reason` names what it does not serve.
+edge blocks masked (`frame.partner_blocks`); `unsupported_reason` names what it does not serve.
 RoPE at positions arange (`_Rotary`): the forward rotates each q tile and key block once and its
 CTAs share them through gmem. While a head's CTAs run, each one's producer rotates the q tile and
 one key block that the next head's CTA at its place will need and publishes them (`_NextHead`; a
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +43,10 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.device import device_info
-from jax_attn.rope import Rope, inverse_frequencies
-from jax_attn.spec import LOG2E, AttentionSpec, padded_head_dim, visible
-
-HEAD_DIMS = (64, 128)  # padded head dims served (a 128-byte swizzle row holds 64 16-bit values)
-WGMMA_ROWS = 64  # rows of one warpgroup's wgmma
+from jax_attn.ops.common import mosaic_frame as frame
+from jax_attn.ops.common.mosaic_frame import FORWARD_GRID, HEAD_DIMS, WGMMA_ROWS
+from jax_attn.ops.common.rope import Rope, inverse_frequencies
+from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, visible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,148 +107,6 @@ def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype, positions: boo
     return None
 
 
-class _Ring:
-    """A stream of blocks through `stages` shared-memory slots, per streamed array: the producer
-    warpgroup copies step t's blocks into slot t % stages (`ready[i]` fires when block i landed)
-    and refills a slot once both compute warpgroups released it (`free[i]`, two arrivals). With
-    `landed` (RoPE), array 0's copies land there instead and the producer prepares each block in
-    place (rotates it) before it fires `ready[0]`."""
-
-    def __init__(self, slots, ready, free, stages: int, landed=None):
-        self.slots, self.ready, self.free, self.stages, self.landed = slots, ready, free, stages, landed
-
-    def slot(self, t):
-        return lax.rem(t, self.stages)
-
-    def wait(self, t, i):
-        plgpu.barrier_wait(self.ready[i].at[self.slot(t)])
-        return self.slots[i].at[self.slot(t)]
-
-    def release(self, t, i):
-        plgpu.barrier_arrive(self.free[i].at[self.slot(t)])
-
-    def follow(self, lo, hi):
-        """Pass steps [lo, hi) without computing: the other warpgroup needs them (causal). Every
-        slot's release must count both warpgroups in order; an early release would let the
-        producer overwrite a slot the other warpgroup still reads."""
-        @pl.loop(lo, hi)
-        def _(t):
-            for i in range(len(self.slots)):
-                self.wait(t, i)
-                self.release(t, i)
-
-    def produce(self, sources, steps, max_steps: int, prepare=None):
-        """The producer warpgroup's loop; sources(t) -> the step's gmem blocks, one per array;
-        steps (traced) <= max_steps (static). `prepare` (with `landed`; `_SharedKeys`) copies
-        array 0's blocks itself (`prepare.copy`) and transforms each in shared memory once it
-        landed (`prepare(t, slot)`), before the compute warpgroups see it; `start`, `publish`
-        and `finish` are its hooks before the fills, after each step's `ready` and at the end;
-        `idle(t)` runs after step t's refill, while the compute warpgroups work."""
-        def copy(t, i, src):
-            if prepare is not None and i == 0:
-                prepare.copy(t, self.slots[0].at[self.slot(t)], self.landed.at[self.slot(t)])
-            else:
-                plgpu.copy_gmem_to_smem(src, self.slots[i].at[self.slot(t)], self.ready[i].at[self.slot(t)])
-
-        def refill(t):
-            for i, src in enumerate(sources(t)):
-                plgpu.barrier_wait(self.free[i].at[self.slot(t)])
-                copy(t, i, src)
-
-        def fill(t):
-            for i, src in enumerate(sources(t)):
-                copy(t, i, src)
-
-        if prepare is not None:
-            prepare.start(steps, min(self.stages, max_steps))
-        for t in range(min(self.stages, max_steps)):
-            pl.when(t < steps)(functools.partial(fill, t))
-
-        if prepare is None:
-            pl.loop(self.stages, steps)(refill)
-            return
-
-        @pl.loop(0, steps)
-        def _(t):
-            slot = self.slots[0].at[self.slot(t)]
-            plgpu.barrier_wait(self.landed.at[self.slot(t)])
-            prepare(t, slot)
-            plgpu.barrier_arrive(self.ready[0].at[self.slot(t)])
-            prepare.publish(t, slot, steps)
-            # refill the slot step t - 1 used: the compute warpgroups work on step t - 1 while
-            # this warpgroup loads and prepares step t
-            later = t - 1 + self.stages
-            pl.when((t >= 1) & (later < steps))(lambda: refill(later))
-            prepare.idle(t)
-
-        prepare.finish(steps)
-
-
-def _ring_scratch(stages: int, rows: int, head_dim: int, dtype, count: int = 2, prepared: bool = False):
-    """(slots, ready, free[, landed]) scratch for `count` streamed arrays of [rows, head_dim]
-    blocks; `prepared`: array 0 is prepared by the producer (`_Ring.produce`)."""
-    ready = (plgpu.Barrier(num_barriers=stages),) * count  # TMA arrivals, or the producer's
-    free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * count  # one per compute warpgroup
-    landed = (plgpu.Barrier(num_barriers=stages),) if prepared else ()
-    return ((_smem((stages, rows, head_dim), dtype),) * count, ready, free, *landed)
-
-
-def _smem(shape, dtype):
-    """Shared memory in the layout wgmma reads: 8-row tiles of 128-byte swizzled rows."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
-                                                plgpu.SwizzleTransform(128)))
-
-
-def _reach(spec: AttentionSpec):
-    """(before, after): query i sees keys i - before <= j <= i + after (None: unbounded)."""
-    bounds = [b for b in (0 if spec.causal else None, spec.window_right) if b is not None]
-    return spec.window_left, min(bounds) if bounds else None
-
-
-def _partner_blocks(first, size: int, block: int, num: int, before, after, last_masked: bool = False):
-    """Own rows [first, first + size) see partners y with x - before <= y <= x + after (None:
-    unbounded), in `num` blocks of `block`. -> (lo, plain_lo, plain_hi, hi): the blocks some row
-    sees are [lo, hi); inside, [plain_lo, plain_hi) are seen whole by every row (no mask). With
-    `last_masked` the last block (padding) is never plain. Monotone in `first`."""
-    lo = 0 if before is None else jnp.minimum(jnp.maximum(first - before, 0) // block, num)
-    hi = num if after is None else jnp.minimum(pl.cdiv(first + size + after, block), num)
-    plain_lo = lo if before is None else pl.cdiv(jnp.maximum(first + size - 1 - before, 0), block)
-    plain_hi = num - int(last_masked)
-    if after is not None:
-        plain_hi = jnp.minimum((first + after + 1) // block, plain_hi)
-    plain_lo = jnp.minimum(jnp.maximum(plain_lo, lo), hi)
-    return lo, plain_lo, jnp.minimum(jnp.maximum(plain_hi, plain_lo), hi), hi
-
-
-def _walk(step, carry, blocks, leftwards: bool = False):
-    """Run step(t, carry, masked) over (lo, plain_lo, plain_hi, hi): masked edges, plain middle;
-    `leftwards`: from hi - 1 down to lo."""
-    lo, plain_lo, plain_hi, hi = blocks
-    parts = ((lo, plain_lo, True), (plain_lo, plain_hi, False), (plain_hi, hi, True))
-    if not leftwards:
-        for a, b, masked in parts:
-            carry = lax.fori_loop(a, b, functools.partial(step, masked=masked), carry)
-        return carry
-    for a, b, masked in parts[::-1]:
-        carry = lax.fori_loop(0, b - a, lambda n, c, b=b, masked=masked: step(b - 1 - n, c, masked=masked), carry)
-    return carry
-
-
-# jax 0.10's plgpu.load requires an index argument; 0.11 makes it optional and deprecates it
-_LOAD_NEEDS_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
-
-
-def _load_gmem(ref, layout):
-    """An fp32 array from gmem into registers: a [rows] vector in the layout of a wgmma tile's rows
-    or columns, or a [64, cols] tile in the WGMMA layout."""
-    index = ((),) if _LOAD_NEEDS_INDEX else ()
-    return plgpu.load(ref, *index, layout=layout, optimized=False)
-
-
-def _iota(shape, dim):
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
 # ----------------------------------------------------------------------------------------------
 # RoPE at positions arange. A 64-row block b holds positions 64 b + r, r < 64; its cos/sin come by
 # angle addition from one base row (b) and a delta table shared by every block, so a streamed key
@@ -258,10 +114,6 @@ def _iota(shape, dim):
 # ----------------------------------------------------------------------------------------------
 
 ROPE_ROWS = WGMMA_ROWS
-# The forward's producer rotates every streamed key block: registers for that (the compute
-# warpgroups keep the rest, 184). H100, 2x8192x16x128 causal bf16 forward: 96 -> 1.69 ms,
-# 128 -> 1.40 ms, 160 -> 1.43 ms (no RoPE: 0.97 ms)
-ROPE_PRODUCER_REGISTERS = 128
 ROPE_PIECE = 32  # pairs rotated at a time: one fp32 shared-memory tile row (128 bytes)
 
 
@@ -354,7 +206,7 @@ class _Rotary:
     @staticmethod
     def scratch(head_dim: int):
         """(delta table, the two compute warpgroups' base rows), their barriers."""
-        return ((_smem((2, ROPE_ROWS, head_dim // 2), jnp.float32), plgpu.SMEM((2, 2, 1, head_dim // 2), jnp.float32)),
+        return ((frame.smem((2, ROPE_ROWS, head_dim // 2), jnp.float32), plgpu.SMEM((2, 2, 1, head_dim // 2), jnp.float32)),
                 (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=2)))
 
     def fetch(self):
@@ -384,7 +236,7 @@ class _Rotary:
         firsts, seconds = [], []  # style "half": the pieces of the pairs' first and second columns
         for j in range(count):
             cols = pl.ds(j * ROPE_PIECE, ROPE_PIECE)
-            c0, s0 = (lax.broadcast_in_dim(_load_gmem(base.at[i, cols], col), shape, [1]) for i in range(2))
+            c0, s0 = (lax.broadcast_in_dim(frame.load_gmem(base.at[i, cols], col), shape, [1]) for i in range(2))
             dc, ds = self.delta_smem[0, :, cols], self.delta_smem[1, :, cols]
             cos, sin = c0 * dc - s0 * ds, s0 * dc + c0 * ds
             if inverse:
@@ -431,7 +283,7 @@ class _SharedKeys:
     per call (a fresh Ref). A flag is read one step ahead of its block's load (a stale 0 only
     costs a redundant rotation) and kept until the block's flag is published (`slots`)."""
 
-    def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, smem, barriers, ahead, *, ring: _Ring, batch,
+    def __init__(self, rotary, k_ref, k_rot_ref, flags_ref, smem, barriers, ahead, *, ring: frame.Ring, batch,
                  kv_head, bkv: int, lo):
         """ahead: the CTA's rotations for the next head (`_NextHead`), done in this stream's idle
         time."""
@@ -556,7 +408,7 @@ class _NextHead:
     @staticmethod
     def scratch(head_dim: int, dtype):
         """(a 64-row stage, its base rows), (their barriers)."""
-        return ((_smem((ROPE_ROWS, head_dim), dtype), plgpu.SMEM((2, 1, head_dim // 2), jnp.float32)),
+        return ((frame.smem((ROPE_ROWS, head_dim), dtype), plgpu.SMEM((2, 1, head_dim // 2), jnp.float32)),
                 plgpu.Barrier(num_barriers=2))
 
     def _chunk(self, c: int):
@@ -614,112 +466,12 @@ class _NextHead:
                 self.advance(t, publish)
 
 
-def _matmul(shape, a, b):
-    """a @ b on wgmma into a fresh fp32 accumulator of `shape`."""
-    def run(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
-def _matmul_add(acc, a, b):
-    """acc + a @ b on wgmma (a from registers or shared memory)."""
-    def run(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-    return pl.run_state(run)(plgpu.ACC.init(acc))
-
-
-def _zeros(shape, layout=plgpu.Layout.WGMMA, value=0.0):
-    return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
-
-
-def _store_tiles(pairs):
-    """Registers -> shared memory -> gmem (TMA), for [(value, smem tile, gmem block)]."""
-    for value, tile, _ in pairs:
-        tile[...] = value.astype(tile.dtype)
-    plgpu.commit_smem()
-    for _, tile, dst in pairs:
-        plgpu.copy_smem_to_gmem(tile, dst)
-    plgpu.wait_smem_to_gmem(0)
-
-
 # The dK/dV kernel's compute warpgroups hold dK, dV and the step's S, dP: at 232 registers ptxas
 # spills 252 bytes per thread there (D=128), at 240 152 bytes, and its producer needs few. H100,
 # bf16 causal forward+backward against 40/232, 9 paired rounds: 2x8192x16x128 0.987x, 4x4096x32x128
 # with 8 kv heads 0.936x, head dim 64 unchanged; 56/224 1.108x, 72/216 1.160x
 # (benchmarks/results/dkdv-registers-s16-2026-11-25.txt).
 DKDV_PRODUCER_REGISTERS = 24
-
-
-def _register_split(producer: int) -> tuple[int, int]:
-    """(producer, compute) registers per thread (multiples of 8). The CTA's 384 threads start with
-    168 each (64K / 384, rounded down to 8) and setmaxnreg only moves registers between its
-    warpgroups: a compute warpgroup's increase waits until the producer's decrease freed enough,
-    so the split must fit 3 * 168 (FA3's 40 / 232 fills it exactly)."""
-    return producer, (3 * 168 - producer) // 2 // 8 * 8
-
-
-def _stream_kv(ring: _Ring, k_ref, v_ref, batch, kv_head, bkv: int, lo, hi, shared=None, leftwards=False):
-    """The producer warpgroup of the forward and dQ kernels: the kv head's K, V blocks [lo, hi)
-    (`leftwards`: from hi - 1 down); with `shared` (RoPE; `_SharedKeys` but for where this stream
-    is), the K blocks come rotated, the delta table's copy awaited before the first this CTA
-    rotates."""
-    plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[0], action="decrease")
-    prepare = None
-    if shared is not None:
-        prepare = shared(ring=ring, batch=batch, kv_head=kv_head, bkv=bkv, lo=lo)
-        prepare.rotary.fetch()
-    keys = lambda u: (batch, pl.ds((hi - 1 - u if leftwards else lo + u) * bkv, bkv), kv_head)
-    ring.produce(lambda u: (k_ref.at[keys(u)], v_ref.at[keys(u)]), hi - lo, k_ref.shape[1] // bkv, prepare)
-
-
-def _query_pair(q_ref, block_q: int, spec: AttentionSpec):
-    """The CTA's first query row (two blocks of block_q: one per compute warpgroup). Causal grids
-    launch the last rows first: they see the most keys, and the light tiles fill the tail."""
-    tile = lax.axis_index("q_tiles")
-    if spec.causal:
-        tile = q_ref.shape[1] // (2 * block_q) - 1 - tile
-    return tile * 2 * block_q
-
-
-def _query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
-                 spec: AttentionSpec, kv_len: int, group: int, shared=None, leftwards: bool = False,
-                 rotators: bool = False):
-    """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
-    compute warpgroup) and the producer streaming the key blocks they see. Runs
-    compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
-    first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
-    the last key block holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys
-    come rotated (`_stream_kv`); `leftwards`: the stream runs from stream_hi - 1 down. `rotators`:
-    the grid's head axis starts with a pseudo-head whose CTAs compute nothing and stream nothing
-    (their producers only rotate for head 0: `_NextHead`)."""
-    ring = _Ring(*ring[:3], stages, *ring[3:])
-    batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
-    if rotators:
-        head = head - 1
-    pair_first = _query_pair(q_ref, bq, spec)
-    before, after = _reach(spec)
-    num_kv = k_ref.shape[1] // bkv
-    ranges = [_partner_blocks(pair_first + w * bq, bq, bkv, num_kv, before, after, kv_len % bkv != 0)
-              for w in range(2)]
-    stream = (ranges[0][0], ranges[1][3])
-    if rotators:
-        stream = (stream[0], jnp.where(head < 0, stream[0], stream[1]))
-
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(_register_split(ROPE_PRODUCER_REGISTERS if shared else 40)[1], action="increase")
-        first = pair_first + wg * bq
-        own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
-        run = functools.partial(compute, batch, head, wg, first, own_blocks, stream, ring)
-        if rotators:
-            pl.when(head >= 0)(run)
-        else:
-            run()
-
-    kv_head = lax.div(jnp.maximum(head, 0) if rotators else head, jnp.array(group, head.dtype))
-    pl.when(wg == 2)(functools.partial(_stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared,
-                                       leftwards))
 
 
 def _split_tables(refs, spec: AttentionSpec):
@@ -742,7 +494,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
             (own_ready, rotary_barriers, shared_barriers, ahead_barriers, q_flag_ready) = own
         rotary = _Rotary(spec.rope.style, *tables, rotary_smem, rotary_barriers)
         ahead = _NextHead(rotary, (q_ref, k_ref, q_rot_ref, k_rot_ref, q_flags, k_flags), ahead_smem, ahead_barriers,
-                          num_heads=q_ref.shape[2], group=group, q_first=_query_pair(q_ref, bq, spec), bkv=bkv)
+                          num_heads=q_ref.shape[2], group=group, q_first=frame.query_pair(q_ref, bq, spec), bkv=bkv)
         shared = functools.partial(_SharedKeys, rotary, k_ref, k_rot_ref, k_flags, shared_smem, shared_barriers,
                                    ahead)
     else:
@@ -781,10 +533,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
         def step(t, carry, masked: bool):
             m, l, acc = carry
             u = t - stream_lo  # the ring's step
-            s = _matmul((bq, bkv), q_tile, ring.wait(u, 0).transpose((1, 0)))
+            s = frame.matmul((bq, bkv), q_tile, ring.wait(u, 0).transpose((1, 0)))
             ring.release(u, 0)
             if masked:
-                keep = visible(spec, first + _iota(s.shape, 0), t * bkv + _iota(s.shape, 1), kv_len)
+                keep = visible(spec, first + frame.iota(s.shape, 0), t * bkv + frame.iota(s.shape, 1), kv_len)
                 s = jnp.where(keep, s, -jnp.inf)
             # scale > 0: the row max of the raw scores, scaled, is the max of the scaled ones
             m_new = jnp.maximum(m, s.max(axis=1) * scale2)
@@ -794,15 +546,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
             p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _matmul_add(acc, p.astype(q_ref.dtype), ring.wait(u, 1))
+            acc = frame.matmul_add(acc, p.astype(q_ref.dtype), ring.wait(u, 1))
             ring.release(u, 1)
             return m_new, l, acc
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
-        carry = (_zeros((bq,), rows_layout, -jnp.inf), _zeros((bq,), rows_layout),
-                 _zeros((bq, q_ref.shape[3])))
+        carry = (frame.zeros((bq,), rows_layout, -jnp.inf), frame.zeros((bq,), rows_layout),
+                 frame.zeros((bq, q_ref.shape[3])))
         ring.follow(0, own_blocks[0] - stream_lo)  # blocks only the other warpgroup sees
-        m, l, acc = _walk(step, carry, own_blocks)
+        m, l, acc = frame.walk(step, carry, own_blocks)
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
 
         empty = l == 0.0  # no visible key: output 0, lse -inf (never NaN)
@@ -811,9 +563,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # q_tile is reused below
         # lse straight from registers (a [64] fp32 row is too small for a TMA's staging to pay)
         lse_ref.at[batch, head, rows][...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe) * LOG2E)
-        _store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
+        frame.store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
 
-    _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
+    frame.query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
                  kv_len=kv_len, group=group, shared=shared, rotators=rotary is not None)
 
 
@@ -846,33 +598,33 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
             pl.when(wg == 0)(rotary.fetch)
             rotary.prefetch(wg, first // ROPE_ROWS)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
-        m2, delta = (_load_gmem(x.at[batch, head, rows], row_layout) for x in (m2_ref, delta_ref))
+        m2, delta = (frame.load_gmem(x.at[batch, head, rows], row_layout) for x in (m2_ref, delta_ref))
         plgpu.barrier_wait(own_ready.at[2 * wg])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
 
         def step(t, dq, masked: bool):
             u = t - stream_lo  # the ring's step
             k_tile = ring.wait(u, 0)
-            s = _matmul((bq, bkv), q_tile, k_tile.transpose((1, 0)))
-            dp = _matmul((bq, bkv), do_tile, ring.wait(u, 1).transpose((1, 0)))
+            s = frame.matmul((bq, bkv), q_tile, k_tile.transpose((1, 0)))
+            dp = frame.matmul((bq, bkv), do_tile, ring.wait(u, 1).transpose((1, 0)))
             ring.release(u, 1)
             if masked:  # (padded keys are zero rows: s = 0 there, whose P could overflow)
-                keep = visible(spec, first + _iota(s.shape, 0), t * bkv + _iota(s.shape, 1), kv_len)
+                keep = visible(spec, first + frame.iota(s.shape, 0), t * bkv + frame.iota(s.shape, 1), kv_len)
                 s = jnp.where(keep, s, -jnp.inf)
             p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m2, s.shape, [0]))
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
-            dq = _matmul_add(dq, ds.astype(q_ref.dtype), k_tile)
+            dq = frame.matmul_add(dq, ds.astype(q_ref.dtype), k_tile)
             ring.release(u, 0)
             return dq
 
         ring.follow(0, own_blocks[0] - stream_lo)
-        dq = _walk(step, _zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
+        dq = frame.walk(step, frame.zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
         if rotary is not None:
             dq = rotary(dq, rotary.own_base(wg), inverse=True)
-        _store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
+        frame.store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
 
-    _query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages_bwd, spec=spec,
+    frame.query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages_bwd, spec=spec,
                  kv_len=kv_len, group=group)
 
 
@@ -887,13 +639,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
     (k_smem, v_smem), own_ready, rotary = _backward_own(own, tables, spec)
     bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
     scale2 = spec.scale * LOG2E
-    ring = _Ring(*ring, blocks.stages_bwd)
+    ring = frame.Ring(*ring, blocks.stages_bwd)
     num_q = q_ref.shape[1] // bq
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = lax.axis_index("k_tiles") * 2 * bkv  # causal: low keys see the most rows, launched first
     # key j is seen by rows i with j - after <= i <= j + before (none at all past the last row)
-    before, after = _reach(spec)
-    ranges = [_partner_blocks(pair_first + w * bkv, bkv, bq, num_q, after, before) for w in range(2)]
+    before, after = frame.reach(spec)
+    ranges = [frame.partner_blocks(pair_first + w * bkv, bkv, bq, num_q, after, before) for w in range(2)]
     stream_lo = ranges[0][0]
     per_head = jnp.maximum(ranges[1][3] - stream_lo, 0)  # stream steps per query head
 
@@ -902,7 +654,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
 
     @pl.when(wg < 2)
     def _compute():
-        plgpu.set_max_registers(_register_split(DKDV_PRODUCER_REGISTERS)[1], action="increase")
+        plgpu.set_max_registers(frame.register_split(DKDV_PRODUCER_REGISTERS)[1], action="increase")
         first = pair_first + wg * bkv
         own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         keys = pl.ds(first, bkv)
@@ -921,39 +673,39 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
             t = g * per_head + i - stream_lo  # the ring's step
             head, qrows = kv_head * group + g, pl.ds(i * bq, bq)
             q_tile = ring.wait(t, 0)
-            st = _matmul((bkv, bq), k_tile, q_tile.transpose((1, 0)))
-            m2, delta = (_load_gmem(x.at[batch, head, qrows], col_layout) for x in (m2_ref, delta_ref))
+            st = frame.matmul((bkv, bq), k_tile, q_tile.transpose((1, 0)))
+            m2, delta = (frame.load_gmem(x.at[batch, head, qrows], col_layout) for x in (m2_ref, delta_ref))
             do_tile = ring.wait(t, 1)
-            dpt = _matmul((bkv, bq), v_tile, do_tile.transpose((1, 0)))
+            dpt = frame.matmul((bkv, bq), v_tile, do_tile.transpose((1, 0)))
             if masked:
-                keep = visible(spec, i * bq + _iota(st.shape, 1), first + _iota(st.shape, 0), kv_len)
+                keep = visible(spec, i * bq + frame.iota(st.shape, 1), first + frame.iota(st.shape, 0), kv_len)
                 st = jnp.where(keep, st, -jnp.inf)
             pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(m2, st.shape, [1]))
-            dv = _matmul_add(dv, pt.astype(q_ref.dtype), do_tile)
+            dv = frame.matmul_add(dv, pt.astype(q_ref.dtype), do_tile)
             ring.release(t, 1)
             dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
-            dk = _matmul_add(dk, dst.astype(q_ref.dtype), q_tile)
+            dk = frame.matmul_add(dk, dst.astype(q_ref.dtype), q_tile)
             ring.release(t, 0)
             return dk, dv
 
         def head_loop(g, carry):
             base = g * per_head - stream_lo
             ring.follow(base + stream_lo, base + own_blocks[0])  # query blocks only the other warpgroup sees
-            carry = _walk(functools.partial(step, g=g), carry, own_blocks)
+            carry = frame.walk(functools.partial(step, g=g), carry, own_blocks)
             ring.follow(base + own_blocks[3], (g + 1) * per_head)
             return carry
 
-        zeros = _zeros((bkv, k_ref.shape[3]))
+        zeros = frame.zeros((bkv, k_ref.shape[3]))
         dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
         dk = dk * spec.scale
         if rotary is not None:
             dk = rotary(dk, rotary.own_base(wg), inverse=True)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # k_tile is reused below
-        _store_tiles([(dk, k_tile, dk_ref.at[batch, keys, kv_head]), (dv, v_tile, dv_ref.at[batch, keys, kv_head])])
+        frame.store_tiles([(dk, k_tile, dk_ref.at[batch, keys, kv_head]), (dv, v_tile, dv_ref.at[batch, keys, kv_head])])
 
     @pl.when(wg == 2)
     def _produce():
-        plgpu.set_max_registers(_register_split(DKDV_PRODUCER_REGISTERS)[0], action="decrease")
+        plgpu.set_max_registers(frame.register_split(DKDV_PRODUCER_REGISTERS)[0], action="decrease")
 
         def sources(t):
             head, i = at(t)
@@ -963,34 +715,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         ring.produce(sources, group * per_head, group * num_q)
 
 
-def _launch(kernel, args, out_type, grid, grid_names, own, ring):
-    """One CTA: two compute warpgroups and one producer; scratch = own blocks (smem, barriers)
-    and the ring (`_ring_scratch`), shared by the three warpgroups. A Ref in args (the RoPE
-    forward's flags) is read and written in place: `plgpu.kernel` (whose batching rule folds a
-    vmapped axis into the grid) does not take Refs, `pl.kernel` does (and cannot be vmapped)."""
-    def entry(*refs):
-        pl.run_scoped(lambda own_smem, own_ready, *ring_refs: kernel(*refs, (own_smem, own_ready), ring_refs),
-                      *own, *ring, collective_axes="wg")
-
-    params = plgpu.CompilerParams(approx_math=True)
-    if any(isinstance(a, jax.Ref) for a in args):
-        mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
-        return pl.kernel(entry, out_type=out_type, mesh=mesh, compiler_params=params, name="entry")(*args)
-    return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names, num_threads=3,
-                        thread_name="wg", compiler_params=params)(*args)
-
-
 def _check_rope_blocks(blocks: MosaicBlocks):
     """The rotation works on 64-row blocks (one per compute warpgroup)."""
     if (blocks.block_q, blocks.block_q_bwd, blocks.block_kv_bwd) != (ROPE_ROWS,) * 3 or blocks.block_kv % ROPE_ROWS:
         raise ValueError(f"RoPE on the Mosaic GPU kernels needs block_q = block_q_bwd = block_kv_bwd = "
                          f"{ROPE_ROWS} and block_kv a multiple of it, got {blocks}")
-
-
-# The forward's grid; Pallas launches its last axis fastest. Heads outermost: a head's query tiles
-# run together and share its K, V in L2 (with RoPE too: `_NextHead` rotates a head's q and keys
-# while the head before runs).
-FORWARD_GRID = ("heads", "q_tiles", "batch")
 
 
 def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None,
@@ -1019,7 +748,7 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
 def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rotated: bool):
     batch, q_pad, num_heads, head_dim = q.shape
     kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
-    own_smem = (_smem((2, blocks.block_q, head_dim), q.dtype),)
+    own_smem = (frame.smem((2, blocks.block_q, head_dim), q.dtype),)
     own_ready = plgpu.Barrier(num_barriers=2)  # each compute warpgroup's q tile
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
     args = (q, k, v)
@@ -1035,9 +764,9 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
         own_ready = (own_ready, *(barriers for _, barriers in scratch))
         out_type += (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(q.shape, q.dtype))
         sizes["heads"] += 1  # the pseudo-head first (`_NextHead`)
-    out, lse, *k_q_rot = _launch(kernel, args, out_type, tuple(sizes[n] for n in FORWARD_GRID), FORWARD_GRID,
+    out, lse, *k_q_rot = frame.launch(kernel, args, out_type, tuple(sizes[n] for n in FORWARD_GRID), FORWARD_GRID,
                                  (own_smem, own_ready),
-                                 _ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype,
+                                 frame.ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype,
                                                prepared=spec.rope is not None))
     # k and q rotated are the CTAs' exchange; the backward reads them
     return (out, lse, *k_q_rot[::-1]) if rotated else (out, lse)
@@ -1057,17 +786,17 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
         _check_rope_blocks(blocks)
         tables = tuple(rope)
     def own(rows, dtype):  # each compute warpgroup's two tiles[, the rotary's tables]
-        smem, ready = (_smem((2, rows, head_dim), dtype),) * 2, plgpu.Barrier(num_barriers=4)
+        smem, ready = (frame.smem((2, rows, head_dim), dtype),) * 2, plgpu.Barrier(num_barriers=4)
         if not tables:
             return smem, ready
         rotary_smem, rotary_barriers = _Rotary.scratch(head_dim)
         return smem + (rotary_smem,), (ready, rotary_barriers)
-    dk, dv = _launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
+    dk, dv = frame.launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
                      (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (num_kv_heads, kv_pad // (2 * bkv), batch),
                      ("heads", "k_tiles", "batch"), own(bkv, k.dtype),
-                     _ring_scratch(blocks.stages_bwd, bq, head_dim, q.dtype))
-    dq = _launch(functools.partial(_dq_kernel, **options), (q, k, v, do, m2, delta, *tables),
+                     frame.ring_scratch(blocks.stages_bwd, bq, head_dim, q.dtype))
+    dq = frame.launch(functools.partial(_dq_kernel, **options), (q, k, v, do, m2, delta, *tables),
                  jax.ShapeDtypeStruct(q.shape, q.dtype), (num_heads, q_pad // (2 * bq), batch),
                  ("heads", "q_tiles", "batch"), own(bq, q.dtype),
-                 _ring_scratch(blocks.stages_bwd, bkv, head_dim, k.dtype))
+                 frame.ring_scratch(blocks.stages_bwd, bkv, head_dim, k.dtype))
     return dq, dk, dv

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_attn.rope import apply_rope
-from jax_attn.spec import AttentionSpec, visible
+from jax_attn.ops.common.rope import apply_rope
+from jax_attn.ops.common.spec import AttentionSpec, visible
 
 
 def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None):

@@ -23,11 +23,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_attn import mosaic_gpu
-from jax_attn.rope import inverse_frequencies
-from jax_attn.spec import LOG2E, AttentionSpec, block_ranges, padded_head_dim, pow2_at_least, visible
+from jax_attn.ops.common import padding, triton_tiles as tiles
+from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least, visible
+from jax_attn.ops.common.triton_tiles import MIN_BLOCK, rope_tables
+from jax_attn.ops.common.visit import block_ranges
+from jax_attn.ops.softmax import mosaic as mosaic_gpu
 
-MIN_BLOCK = 16  # smallest tile side a Triton dot accepts
 
 # jax 0.11 deprecates the Pallas Triton backend with a DeprecationWarning at every lowering (text
 # as printed by jax 0.11.2 on an H200); this library is built on it on purpose, so that one
@@ -81,7 +82,7 @@ def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope
     RoPE, D = 128 (`sweep_blocks.py --rope`, results/sweep-rope-*): the forward rotates every key
     tile it loads; the backward loops rotate nothing (q, k arrive rotated), so the backward keeps
     the plain tiles (1.12x over the next best). Forward at positions arange (one cos/sin table row
-    per tile, `_rope_cos_sin`): 128x64 in 3 stages (1.10x over 2). With positions given, every
+    per tile, `tiles.rope_cos_sin`): 128x64 in 3 stages (1.10x over 2). With positions given, every
     pipelined key tile brings its fp32 cos/sin rows (twice the bytes of the bf16 key tile), and
     128x128 tiles in 3 stages asked for 272 KB of shared memory on an H100 (232 KB there):
     128x64 in 2 stages."""
@@ -123,104 +124,13 @@ class _Static:
 # ----------------------------------------------------------------------------------------------
 
 
-def _dot(a, b, spec, *, trans_b=False):
-    """a @ b (or a @ b.T) with fp32 accumulation; fp32 operands follow spec.precision."""
-    dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=spec.precision,
-                               preferred_element_type=jnp.float32)
-
-
-def _columns(spec: AttentionSpec, head_dim: int):
-    """Column indexers of the feature parts of a padded head dim."""
-    if spec.rope is None:
-        return (slice(None),)
-    half = head_dim // 2
-    if spec.rope.style == "half":
-        return pl.ds(0, half), pl.ds(half, half)
-    return pl.ds(0, half, stride=2), pl.ds(1, half, stride=2)
-
-
-def _interleaved(spec: AttentionSpec) -> bool:
-    return spec.rope is not None and spec.rope.style == "interleaved"
-
-
-def _load_parts(ref, prefix, spec, head_dim):
-    # interleaved: one contiguous load, split in registers (stride-2 column loads made the forward
-    # 1.3x slower than style "half", H100)
-    if _interleaved(spec):
-        return _split_parts(ref[(*prefix, slice(None))], spec, head_dim)
-    return tuple(ref[(*prefix, c)] for c in _columns(spec, head_dim))
-
-
-def _split_parts(x, spec, head_dim):
-    """A [rows, D] tile in registers -> its feature parts, as `_load_parts` would load them."""
-    if spec.rope is None:
-        return (x,)
-    if _interleaved(spec):
-        return tuple(jnp.unstack(x.reshape(*x.shape[:-1], head_dim // 2, 2), axis=-1))
-    return tuple(jnp.split(x, 2, axis=1))
-
-
-def _join_parts(parts, spec, head_dim):
-    """Feature parts in registers -> the [rows, D] tile they came from (`_split_parts`'s inverse)."""
-    if spec.rope is None:
-        return parts[0]
-    x = jnp.stack(parts, axis=-1)  # [rows, D/2, 2]: the pairs side by side
-    if not _interleaved(spec):
-        x = x.transpose(0, 2, 1)  # [rows, 2, D/2]: the first members, then the second
-    return x.reshape(x.shape[0], head_dim)
-
-
-def _store_parts(ref, parts, spec, head_dim, rows=slice(None)):
-    if _interleaved(spec):  # one contiguous store
-        ref[rows, :] = _join_parts(parts, spec, head_dim).astype(ref.dtype)
-        return
-    for c, x in zip(_columns(spec, head_dim), parts):
-        ref[rows, c] = x.astype(ref.dtype)
-
-
-def _rope_cos_sin(table_ref, rows=slice(None), delta=None):
-    """cos, sin [rows, D/2] fp32 of one side's RoPE table [2, S, D/2] (`rope_tables`).
-
-    Loaded, not computed: in-kernel sin/cos of angles up to S radians are slow, and a key tile
-    would recompute them for every query block. But the rows of a tile cost twice the L2 traffic
-    of the bf16 key tile itself (+1.7 ms of a 3.6 ms forward on an H100 at 2x8192x16x128). So at
-    positions arange (`delta` = `_rope_delta`: the table's first rows, loaded once per program),
-    a tile starting at row n0 reads the single row n0 and applies the angle-addition rule,
-    cos((n0 + d) t) = cos(n0 t) cos(d t) - sin(n0 t) sin(d t) (and likewise sin)."""
-    if delta is None:
-        return table_ref[0, rows, :], table_ref[1, rows, :]
-    first = pl.ds(rows.start, 1)
-    c0, s0 = table_ref[0, first, :], table_ref[1, first, :]
-    cd, sd = delta
-    return c0 * cd - s0 * sd, s0 * cd + c0 * sd
-
-
-def _rope_delta(st: "_Static", tables, side: int, rows: int):
-    """cos, sin of the angles d * theta, d in [0, rows), for `_rope_cos_sin` at positions arange
-    (rows 0..rows-1 of side `side`'s table); None when positions are given or there is no RoPE."""
-    if tables is None or not st.rope_arange:
-        return None
-    return _rope_cos_sin(tables[side], pl.ds(0, rows))
-
-
-def _rotate(parts, cos_sin, dtype, *, inverse=False):
-    """(a, b) -> (a cos - b sin, a sin + b cos) in fp32; inverse applies R^T (for gradients)."""
-    if cos_sin is None:
-        return tuple(x.astype(dtype) for x in parts)
-    cos, sin = cos_sin
-    sin = -sin if inverse else sin
-    a, b = (x.astype(jnp.float32) for x in parts)
-    return (a * cos - b * sin).astype(dtype), (a * sin + b * cos).astype(dtype)
-
-
 def _scores(q_parts, k_parts, spec, *, k_major=False):
     """Scores in log2 units, s2 = log2(e) * s, and tanh(raw * scale / cap) when soft-capped.
 
     k_major=False gives [block_q, block_k] (q @ k.T); True gives [block_k, block_q] (k @ q.T).
     """
     pairs = zip(k_parts, q_parts) if k_major else zip(q_parts, k_parts)
-    raw = sum(_dot(a, b, spec, trans_b=True) for a, b in pairs)
+    raw = sum(tiles.dot(a, b, spec, trans_b=True) for a, b in pairs)
     if spec.softcap is None:
         return raw * (spec.scale * LOG2E), None
     t = jnp.tanh(raw * (spec.scale / spec.softcap))
@@ -250,67 +160,6 @@ def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
     return jax.lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
-# Per-token side inputs: segment ids as one int32 array per side, [B, fields, S] (one ref per side
-# whatever is switched on), and with RoPE one cos/sin table per side, [B, 2, S, D/2] fp32.
-def _info_fields(spec: AttentionSpec) -> tuple[str, ...]:
-    return ("seg",) * spec.has_segments
-
-
-class _Side:
-    """Reads one field of a side-info ref: `side.get("seg", pl.ds(...))`, None when absent."""
-
-    def __init__(self, ref, spec):
-        self.ref, self.fields = ref, _info_fields(spec)
-
-    def get(self, name, idx=slice(None)):
-        if name not in self.fields:
-            return None
-        return self.ref[self.fields.index(name), idx]
-
-
-def _unpack(refs, spec):
-    """(q side, kv side, (q table ref, kv table ref) or None, remaining refs) from a kernel's
-    trailing refs."""
-    refs = list(refs)
-    has_info = bool(_info_fields(spec))
-    q_info = _Side(refs.pop(0), spec) if has_info else _Side(None, spec)
-    kv_info = _Side(refs.pop(0), spec) if has_info else _Side(None, spec)
-    tables = (refs.pop(0), refs.pop(0)) if spec.rope is not None else None
-    return q_info, kv_info, tables, refs
-
-
-def _side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block):
-    """BlockSpecs and args of the optional side inputs, in the order `_unpack` reads them.
-
-    side = (q_info, kv_info, q_table, kv_table) (None where absent); q_rows / kv_rows: rows per
-    block; q_block / kv_block map the grid ids to the block index along the sequence (the batch is
-    always grid axis 1)."""
-    q_info, kv_info, q_table, kv_table = side
-    specs, args = [], []
-    if q_info is not None:
-        fields = q_info.shape[1]
-        specs += [pl.BlockSpec((None, fields, q_rows), lambda *g: (g[1], 0, q_block(*g))),
-                  pl.BlockSpec((None, fields, kv_rows), lambda *g: (g[1], 0, kv_block(*g)))]
-        args += [q_info, kv_info]
-    if q_table is not None:
-        half = q_table.shape[-1]
-        specs += [pl.BlockSpec((None, 2, q_rows, half), lambda *g: (g[1], 0, q_block(*g), 0)),
-                  pl.BlockSpec((None, 2, kv_rows, half), lambda *g: (g[1], 0, kv_block(*g), 0))]
-        args += [q_table, kv_table]
-    return specs, args
-
-
-def rope_tables(pos, rope, head_dim: int, head_pad: int, length: int, batch: int):
-    """cos, sin of pos * theta as [B, 2, length, head_pad / 2] fp32 (the angle computed as the
-    reference computes it; theta zero on padded pairs; positions edge-padded to `length`; pos None
-    means arange, continued over the padding)."""
-    inv_freq = _pad_axis(inverse_frequencies(head_dim, rope.base), 0, head_pad // 2)
-    if pos is None:
-        pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    angle = _pad_axis(pos, 1, length, mode="edge").astype(jnp.float32)[:, :, None] * inv_freq
-    return jnp.stack([jnp.cos(angle), jnp.sin(angle)], axis=1)
-
-
 # ----------------------------------------------------------------------------------------------
 # Forward: one program per (query block, batch, query head). FA2 Alg. 1.
 # ----------------------------------------------------------------------------------------------
@@ -318,25 +167,25 @@ def rope_tables(pos, rope, head_dim: int, head_pad: int, length: int, batch: int
 
 def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     spec = st.spec
-    q_info, kv_info, tables, (o_ref, lse_ref, m2_ref, inv_l_ref, *q_rot_ref) = _unpack(refs, spec)
+    q_info, kv_info, tables, (o_ref, lse_ref, m2_ref, inv_l_ref, *q_rot_ref) = tiles.unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     rope = spec.rope is not None
-    q_cs = _rope_cos_sin(tables[0]) if rope else None
-    q = _rotate(_load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
+    q_cs = tiles.rope_cos_sin(tables[0]) if rope else None
+    q = tiles.rotate(tiles.load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
     if q_rot_ref:  # the rotated q, for the backward (whose loops then rotate nothing)
-        _store_parts(q_rot_ref[0], q, spec, head_dim)
+        tiles.store_parts(q_rot_ref[0], q, spec, head_dim)
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
     q_seg = q_info.get("seg")
     q_seg = None if q_seg is None else q_seg[:, None]
-    k_delta = _rope_delta(st, tables, 1, block_k)
+    k_delta = tiles.rope_delta(st, tables, 1, block_k)
 
     def body(j, carry, masked):
         m, l, acc = carry
         start = pl.multiple_of(j * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k_cs = _rope_cos_sin(tables[1], tile, k_delta) if rope else None
-        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
+        k_cs = tiles.rope_cos_sin(tables[1], tile, k_delta) if rope else None
+        k = tiles.rotate(tiles.load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         s, _ = _scores(q, k, spec)
         if masked:
@@ -351,7 +200,7 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
         l = l * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, spec)
+        acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v, spec)
         return m_new, l, acc
 
     carry = (jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32),
@@ -376,7 +225,7 @@ def _fwd_call(st: _Static, q, k, v, side, ranges, *, differentiated: bool):
     group = num_heads // num_kv_heads
     bq = st.blocks.block_q
     rb = ranges.shape[0]  # 1 (static ranges, broadcast) or batch (segment ids)
-    side_specs, side_args = _side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0)
+    side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0)
     in_specs = [
         pl.BlockSpec((None, None, 4), lambda i, b, h: (b if rb > 1 else 0, i, 0)),
         pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
@@ -415,16 +264,16 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
                  st: _Static):
     """One program per (key block, batch, kv head); loops over the group's query heads."""
     spec = st.spec
-    q_info, kv_info, tables, (dk_ref, dv_ref, *k_rot_ref) = _unpack(refs, spec)
+    q_info, kv_info, tables, (dk_ref, dv_ref, *k_rot_ref) = tiles.unpack(refs, spec)
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
     rope = spec.rope is not None
-    k_cs = _rope_cos_sin(tables[1]) if rope else None
-    k = _rotate(_load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
+    k_cs = tiles.rope_cos_sin(tables[1]) if rope else None
+    k = tiles.rotate(tiles.load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
     if k_rot_ref:
-        _store_parts(k_rot_ref[0], k, spec, head_dim)
-    k = _join_parts(k, spec, head_dim)  # rotated: the products take q, k whole
+        tiles.store_parts(k_rot_ref[0], k, spec, head_dim)
+    k = tiles.join_parts(k, spec, head_dim)  # rotated: the products take q, k whole
     v = v_ref[...]
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
     kv_seg = kv_info.get("seg")
@@ -449,19 +298,19 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
             q_seg = None if q_seg is None else q_seg[None, :]
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
         p = jnp.exp2(s - m2[None, :]) * inv_l[None, :]
-        dv = dv + _dot(p.astype(do.dtype), do, spec)
-        dp = _dot(v, do, spec, trans_b=True)
+        dv = dv + tiles.dot(p.astype(do.dtype), do, spec)
+        dp = tiles.dot(v, do, spec, trans_b=True)
         ds = p * (dp - delta[None, :])
         if t is not None:  # soft cap: d/draw [cap * tanh(raw * scale / cap)] = scale * (1 - t^2)
             ds = ds * (1.0 - t * t)
         if masked:  # p = 0 there, but dp may be inf (huge masked values): 0 * inf = NaN
             ds = jnp.where(mask, ds, 0.0)
-        dk = dk + _dot(ds.astype(q_ref.dtype), q, spec)
+        dk = dk + tiles.dot(ds.astype(q_ref.dtype), q, spec)
         return dk, dv
 
     carry = (jnp.zeros((block_k, head_dim), jnp.float32),) * 2
     dk, dv = _visit(ranges_ref, body, carry, _needs_mask(st, block_k), stride=group)
-    _store_rotated_back(dk_ref, dk * spec.scale, spec, head_dim, k_cs)
+    tiles.store_rotated_back(dk_ref, dk * spec.scale, spec, head_dim, k_cs)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -469,7 +318,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
                st: _Static):
     """One program per (query block, batch, query head); loops over its visible key blocks."""
     spec = st.spec
-    q_info, kv_info, tables, (dq_ref,) = _unpack(refs, spec)
+    q_info, kv_info, tables, (dq_ref,) = tiles.unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k_dq
     q = q_ref[...]  # q, k rotated already: the products take them whole
@@ -493,26 +342,17 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
             kv_seg = None if kv_seg is None else kv_seg[None, :]
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
         p = jnp.exp2(s - m2) * inv_l
-        dp = _dot(do, v, spec, trans_b=True)
+        dp = tiles.dot(do, v, spec, trans_b=True)
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
         if masked:
             ds = jnp.where(mask, ds, 0.0)
-        return dq + _dot(ds.astype(k_ref.dtype), k, spec)
+        return dq + tiles.dot(ds.astype(k_ref.dtype), k, spec)
 
     dq = _visit(ranges_ref, body, jnp.zeros((block_q, head_dim), jnp.float32), _needs_mask(st, block_k))
-    _store_rotated_back(dq_ref, dq * spec.scale, spec, head_dim,
-                        None if tables is None else _rope_cos_sin(tables[0]))
-
-
-def _store_rotated_back(ref, x, spec, head_dim, cos_sin):
-    """Store a gradient [rows, D] fp32 taken against rotated q or k; with RoPE rotated back (R^T,
-    by the rows' `cos_sin`), in the feature parts it is split into for that, once per program."""
-    if spec.rope is None:
-        ref[...] = x.astype(ref.dtype)
-        return
-    _store_parts(ref, _rotate(_split_parts(x, spec, head_dim), cos_sin, jnp.float32, inverse=True), spec, head_dim)
+    tiles.store_rotated_back(dq_ref, dq * spec.scale, spec, head_dim,
+                        None if tables is None else tiles.rope_cos_sin(tables[0]))
 
 
 def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
@@ -530,7 +370,7 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
     q_group_spec = pl.BlockSpec((None, q_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
     row_group_spec = pl.BlockSpec((None, None, group, q_pad), lambda j, b, h: (b, h, 0, 0))
     kv_block_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
-    side_specs, side_args = _side_specs_and_args(side, q_pad, lambda *_: 0, bk, lambda j, b, h: j)
+    side_specs, side_args = tiles.side_specs_and_args(side, q_pad, lambda *_: 0, bk, lambda j, b, h: j)
     in_specs = [pl.BlockSpec((None, None, 4), lambda j, b, h: (b if rb > 1 else 0, j, 0)),
                 q_group_spec, kv_block_spec, kv_block_spec, q_group_spec,
                 row_group_spec, row_group_spec, row_group_spec, *side_specs]
@@ -554,7 +394,7 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
     q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
     kv_full_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    side_specs, side_args = _side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0)
+    side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0)
     in_specs = [pl.BlockSpec((None, None, 4), lambda i, b, h: (b if rb > 1 else 0, i, 0)),
                 q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec,
                 row_spec, *side_specs]
@@ -616,27 +456,10 @@ def _flash_bwd(st, residuals, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _pad_axis(x, axis, size, mode="constant"):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, mode=mode)
-
-
-def _pad_head_dim(x, spec: AttentionSpec, head_pad: int, rotated: bool):
-    """Zero-pad the head dim; with RoPE style "half" each half is padded on its own, so that
-    pairs (i, i + D/2) stay pairs (i, i + head_pad/2)."""
-    if rotated and spec.rope is not None and spec.rope.style == "half" and x.shape[-1] != head_pad:
-        halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
-        return _pad_axis(halves, halves.ndim - 1, head_pad // 2).reshape(*x.shape[:-1], head_pad)
-    return _pad_axis(x, x.ndim - 1, head_pad)
-
-
 def _side_info(fields, length, seg):
     """[B, fields, length] int32, edge-padded (keeps each block's id interval unchanged)."""
     rows = [{"seg": seg}[f].astype(jnp.int32) for f in fields]
-    return _pad_axis(jnp.stack(rows, axis=1), 2, length, mode="edge")
+    return padding.pad_axis(jnp.stack(rows, axis=1), 2, length, mode="edge")
 
 
 def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None,
@@ -672,11 +495,11 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
         mosaic_blocks = None
     q_pad, kv_pad = pl.cdiv(q_len, tile_q) * tile_q, pl.cdiv(kv_len, tile_k) * tile_k
 
-    qp = _pad_axis(_pad_head_dim(q, spec, head_pad, True), 1, q_pad)
-    kp = _pad_axis(_pad_head_dim(k, spec, head_pad, True), 1, kv_pad)
-    vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, kv_pad)
+    qp = padding.pad_axis(padding.pad_head_dim(q, spec, head_pad, True), 1, q_pad)
+    kp = padding.pad_axis(padding.pad_head_dim(k, spec, head_pad, True), 1, kv_pad)
+    vp = padding.pad_axis(padding.pad_head_dim(v, spec, head_pad, False), 1, kv_pad)
 
-    fields = _info_fields(spec)
+    fields = tiles.info_fields(spec)
     side = [None] * 4
     if fields:
         side[:2] = _side_info(fields, q_pad, q_seg), _side_info(fields, kv_pad, kv_seg)
@@ -687,8 +510,8 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
                     rope_tables(kv_pos, spec.rope, head_dim, head_pad, kv_pad, batch))
     side = tuple(side)
     if spec.has_segments:
-        q_seg = _pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
-        kv_seg = _pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad, mode="edge")
+        q_seg = padding.pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
+        kv_seg = padding.pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad, mode="edge")
 
     st = _Static(spec, blocks, q_len, kv_len, interpret,
                  rope_arange=spec.rope is not None and q_pos is None, mosaic=mosaic_blocks)

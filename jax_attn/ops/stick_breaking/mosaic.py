@@ -40,10 +40,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jax_attn import mosaic_gpu as mg
-from jax_attn.spec import LOG2E, SP_CAP, AttentionSpec
+from jax_attn.ops.common import mosaic_frame as frame
+from jax_attn.ops.common.spec import LOG2E, AttentionSpec
+from jax_attn.ops.softmax import mosaic as mg
+from jax_attn.ops.stick_breaking.numerics import SP_CAP
 
-BLOCK = mg.WGMMA_ROWS  # query rows per compute warpgroup = keys per step = the backward's block_k
+BLOCK = frame.WGMMA_ROWS  # query rows per compute warpgroup = keys per step = the backward's block_k
 STAGES = 3  # K, V slots in flight (a step is a quarter of the softmax forward's 128-key step)
 
 
@@ -79,9 +81,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
         rows = pl.ds(first, BLOCK)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
         # tri[m, j] = (m > j): (x @ tri)[i, j] = sum_{m>j} x[i, m], the strict suffix sum
-        tri[...] = jnp.where(mg._iota((BLOCK, BLOCK), 0) > mg._iota((BLOCK, BLOCK), 1), 1.0, 0.0).astype(jnp.float16)
+        tri[...] = jnp.where(frame.iota((BLOCK, BLOCK), 0) > frame.iota((BLOCK, BLOCK), 1), 1.0, 0.0).astype(jnp.float16)
         plgpu.commit_smem()
-        decay2 = mg._load_gmem(decay_ref.at[head], rows_layout)  # decay_h log2(e), on every row
+        decay2 = frame.load_gmem(decay_ref.at[head], rows_layout)  # decay_h log2(e), on every row
         plgpu.barrier_wait(own_ready.at[wg])
 
         def step(block, carry, masked: bool):
@@ -90,33 +92,33 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
                 sums_ref[0].at[batch, head, block, rows][...] = c
                 spent_blocks = [spent_blocks[0] + jnp.where(c >= spent, 1.0, 0.0)]
             u = stream_hi - 1 - block  # the ring's step (it streams leftwards)
-            s = mg._matmul((BLOCK, BLOCK), q_tile, ring.wait(u, 0).transpose((1, 0)))
+            s = frame.matmul((BLOCK, BLOCK), q_tile, ring.wait(u, 0).transpose((1, 0)))
             ring.release(u, 0)
-            distance = (first - block * BLOCK + mg._iota(s.shape, 0) - mg._iota(s.shape, 1)).astype(jnp.float32)
+            distance = (first - block * BLOCK + frame.iota(s.shape, 0) - frame.iota(s.shape, 1)).astype(jnp.float32)
             z = s * scale2 - lax.broadcast_in_dim(decay2, s.shape, [0]) * distance
             sp = jnp.maximum(z, 0.0) + _log2(1.0 + jnp.exp2(-jnp.abs(z)))
             if masked:  # the diagonal block: keys j < i only
                 valid = distance > 0.0
                 sp = jnp.where(valid, sp, 0.0)
             # fp16 terms, capped at SP_CAP (see the module doc)
-            suffix = mg._matmul((BLOCK, BLOCK), jnp.minimum(sp, SP_CAP).astype(jnp.float16), tri)
+            suffix = frame.matmul((BLOCK, BLOCK), jnp.minimum(sp, SP_CAP).astype(jnp.float16), tri)
             a = jnp.exp2((z - sp) - lax.broadcast_in_dim(c, s.shape, [0]) - suffix)  # z - sp = log2 sigmoid(z)
             if masked:
                 a = jnp.where(valid, a, 0.0)
-            acc = mg._matmul_add(acc, a.astype(v_ref.dtype), ring.wait(u, 1))
+            acc = frame.matmul_add(acc, a.astype(v_ref.dtype), ring.wait(u, 1))
             ring.release(u, 1)
             return c + sp.sum(axis=1), acc, *spent_blocks
 
         ring.follow(0, stream_hi - own_blocks[3])  # the other warpgroup's diagonal block
-        carry = (mg._zeros((BLOCK,), rows_layout), mg._zeros((BLOCK, q_ref.shape[3])))
-        carry += (mg._zeros((BLOCK,), rows_layout),) * bool(sums_ref)
-        c, acc, *spent_blocks = mg._walk(step, carry, own_blocks, leftwards=True)
+        carry = (frame.zeros((BLOCK,), rows_layout), frame.zeros((BLOCK, q_ref.shape[3])))
+        carry += (frame.zeros((BLOCK,), rows_layout),) * bool(sums_ref)
+        c, acc, *spent_blocks = frame.walk(step, carry, own_blocks, leftwards=True)
         rem_ref.at[batch, head, rows][...] = jnp.exp2(-c)
         if sums_ref:
             sums_ref[1].at[batch, head, rows][...] = spent_blocks[0]
-        mg._store_tiles([(acc, q_tile, o_ref.at[batch, rows, head])])
+        frame.store_tiles([(acc, q_tile, o_ref.at[batch, rows, head])])
 
-    mg._query_major(compute, q_ref, k_ref, v_ref, ring, bq=BLOCK, bkv=BLOCK, stages=STAGES,
+    frame.query_major(compute, q_ref, k_ref, v_ref, ring, bq=BLOCK, bkv=BLOCK, stages=STAGES,
                     spec=AttentionSpec(scale=spec.scale, causal=True), kv_len=k_ref.shape[1], group=group,
                     leftwards=True)
 
@@ -129,18 +131,18 @@ def stick_breaking_forward(q, k, v, decay, spec: AttentionSpec, *, save_sums: bo
     `stick_breaking_pallas._fwd_call` with block_k = BLOCK. It walks every tile (the Triton
     forward ends a walk where the sticks are spent; the backward skips them after either)."""
     batch, seq_pad, num_heads, head_dim = q.shape
-    if seq_pad % (2 * BLOCK) or head_dim not in mg.HEAD_DIMS:
+    if seq_pad % (2 * BLOCK) or head_dim not in frame.HEAD_DIMS:
         raise ValueError(f"stick_breaking_forward needs S a multiple of {2 * BLOCK} and D in "
-                         f"{mg.HEAD_DIMS}, got {q.shape}")
+                         f"{frame.HEAD_DIMS}, got {q.shape}")
     decay2 = jnp.broadcast_to((decay[:num_heads] * LOG2E)[:, None], (num_heads, BLOCK))  # a [BLOCK] row per head
     kernel = functools.partial(_forward_kernel, spec=spec, group=num_heads // k.shape[2], spent=spent)
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32))
     if save_sums:
         out_type += (jax.ShapeDtypeStruct((batch, num_heads, seq_pad // BLOCK, seq_pad), jnp.float32),
                      jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32))  # (counted in fp32)
-    own = ((mg._smem((2, BLOCK, head_dim), q.dtype), mg._smem((2, BLOCK, BLOCK), jnp.float16)),
+    own = ((frame.smem((2, BLOCK, head_dim), q.dtype), frame.smem((2, BLOCK, BLOCK), jnp.float16)),
            plgpu.Barrier(num_barriers=2))
     sizes = dict(heads=num_heads, q_tiles=seq_pad // (2 * BLOCK), batch=batch)
-    outs = mg._launch(kernel, (q, k, v, decay2), out_type, tuple(sizes[n] for n in mg.FORWARD_GRID),
-                      mg.FORWARD_GRID, own, mg._ring_scratch(STAGES, BLOCK, head_dim, k.dtype))
+    outs = frame.launch(kernel, (q, k, v, decay2), out_type, tuple(sizes[n] for n in frame.FORWARD_GRID),
+                      frame.FORWARD_GRID, own, frame.ring_scratch(STAGES, BLOCK, head_dim, k.dtype))
     return (*outs[:3], outs[3].astype(jnp.int32)) if save_sums else outs

@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE): the config shared by both frameworks and the plain rotation.
+"""Rotary position embedding (RoPE) in jnp: the pairs, the frequencies and the plain rotation.
 
 theta_i = base ** (-2 i / D), i in [0, D/2). A token at position p rotates each pair of features
 by the angle p * theta_i:
@@ -9,23 +9,9 @@ The fused kernels rotate q and k after load; `apply_rope` is the reference (rota
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 
-ROPE_STYLES = ("interleaved", "half")
-
-
-@dataclasses.dataclass(frozen=True)
-class Rope:
-    base: float = 10000.0
-    style: str = "interleaved"
-
-    def __post_init__(self):
-        if self.style not in ROPE_STYLES:
-            raise ValueError(f"unknown rope style={self.style!r}; choose one of {ROPE_STYLES}")
-        if not (isinstance(self.base, (int, float)) and self.base > 1.0):
-            raise ValueError(f"rope base must be a number > 1, got base={self.base!r}")
+from attn_spec.rope import ROPE_STYLES, Rope  # noqa: F401  (the config; re-exported)
 
 
 def split_pairs(x, style: str):

@@ -9,7 +9,7 @@
 
 Position schemes (`position=`):
   "none":     no position information (permutation-equivariant unless causal / windowed).
-  "absolute": the sinusoidal table of `jax_attn.positions` is added to the layer input before the
+  "absolute": the sinusoidal table of `jax_attn.nn.positions` is added to the layer input before the
               q/k/v projections (at `positions` when given, else at 0 .. S-1). Only the attention
               input gets it: the residual of `EncoderBlock` carries x without it.
   "rope":     rotary embedding of q and k fused into the kernel: `flash_attention(..., rope=,
@@ -33,10 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_attn.api import flash_attention
-from jax_attn.positions import sinusoidal_at, sinusoidal_positions
-from jax_attn.rope import Rope
-from jax_attn.stick_breaking import stick_breaking_attention
+from jax_attn.api import flash_attention, stick_breaking_attention
+from jax_attn.nn.positions import sinusoidal_at, sinusoidal_positions
+from jax_attn.ops.common.rope import Rope
 
 POSITIONS = ("none", "absolute", "rope", "exposb")
 LAYER_NORM_EPS = 1e-5
@@ -117,7 +116,7 @@ class MultiHeadSelfAttention(nnx.Module):
         d_model, num_heads, num_kv_heads, head_dim = check_attention_args(
             d_model, num_heads, num_kv_heads, position, causal, window, softcap, decay, learn_decay)
         if position in ("rope", "exposb") and not isinstance(rope, Rope):
-            raise TypeError(f"rope must be a jax_attn.rope.Rope, got {type(rope).__name__}")
+            raise TypeError(f"rope must be a jax_attn.Rope, got {type(rope).__name__}")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.position, self.rope = position, rope
         self.causal, self.window, self.softcap = bool(causal), window, softcap

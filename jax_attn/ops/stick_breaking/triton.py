@@ -44,11 +44,11 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_attn import stick_breaking_mosaic
-from jax_attn.pallas_triton import (
-    MIN_BLOCK, _dot, _load_parts, _pad_axis, _pad_head_dim, _rope_cos_sin, _rotate,
-    _side_specs_and_args, _store_parts, _store_rotated_back, _unpack, rope_tables)
-from jax_attn.spec import LOG2E, SP_CAP, SPENT, SPENT_FTZ, AttentionSpec, padded_head_dim, pow2_at_least
+from jax_attn.ops.common import padding, triton_tiles as tiles
+from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least
+from jax_attn.ops.common.triton_tiles import MIN_BLOCK, rope_tables
+from jax_attn.ops.stick_breaking import mosaic as stick_breaking_mosaic
+from jax_attn.ops.stick_breaking.numerics import SP_CAP, SPENT, SPENT_FTZ
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +143,7 @@ def _logits(q_parts, k_parts, spec, lam, rows, cols, fast: bool, *, k_major=Fals
     """z = scale * q.k - decay * (i - j) in fp32, in log2 units (z log2 e) when `fast`;
     [block_q, block_k] or, k_major, [block_k, block_q]."""
     pairs = zip(k_parts, q_parts) if k_major else zip(q_parts, k_parts)
-    raw = sum(_dot(a, b, spec, trans_b=True) for a, b in pairs)
+    raw = sum(tiles.dot(a, b, spec, trans_b=True) for a, b in pairs)
     unit = LOG2E if fast else 1.0
     return raw * (spec.scale * unit) - (lam * unit) * (rows - cols).astype(jnp.float32)
 
@@ -318,7 +318,7 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, bet
 def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, save_sums: bool, group: int):
     spec = st.spec
     tris = _load_triangles(tri_ref)
-    _, _, tables, refs = _unpack(refs, spec)
+    _, _, tables, refs = tiles.unpack(refs, spec)
     rope = spec.rope is not None
     if rope:  # (the flags' input ref, aliased to the output ref used here)
         _, o_ref, rem_ref, *saved, q_rot_ref, k_rot_ref, flags_ref = refs
@@ -328,11 +328,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
-    q = _load_parts(q_ref, (slice(None),), spec, head_dim)
+    q = tiles.load_parts(q_ref, (slice(None),), spec, head_dim)
     q_whole = []  # with RoPE, after the diagonal tiles: q rotated, read back whole (`after_diagonal`)
     if rope:
-        q = _rotate(q, _rope_cos_sin(tables[0]), q_ref.dtype)
-        _store_parts(q_rot_ref, q, spec, head_dim)
+        q = tiles.rotate(q, tiles.rope_cos_sin(tables[0]), q_ref.dtype)
+        tiles.store_parts(q_rot_ref, q, spec, head_dim)
         _barrier(st)
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
     # under GQA the kv head's first query head publishes (read outside the loops: the interpreter
@@ -349,12 +349,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
             return q, (k_ref[tile, :],)
         if not masked:
             return tuple(q_whole), (k_rot_ref[tile, :],)
-        # cos/sin rows loaded, not composed by `_rope_cos_sin`'s angle addition: this code is
+        # cos/sin rows loaded, not composed by `tiles.rope_cos_sin`'s angle addition: this code is
         # ALU-bound (the addition took the forward from 5.5 to 6.2 ms, H100, 2x8192x16x128)
-        k = _rotate(_load_parts(k_ref, (tile,), spec, head_dim), _rope_cos_sin(tables[1], tile), k_ref.dtype)
+        k = tiles.rotate(tiles.load_parts(k_ref, (tile,), spec, head_dim), tiles.rope_cos_sin(tables[1], tile), k_ref.dtype)
 
         def publish():
-            _store_parts(k_rot_ref, k, spec, head_dim, tile)
+            tiles.store_parts(k_rot_ref, k, spec, head_dim, tile)
             _barrier(st)  # every thread's stores precede the flag
             _publish(flags_ref, block, st)
 
@@ -396,7 +396,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
         z = _logits(q_parts, k, spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
         sp, _, a = _stick(z, valid, c[:, None], 1, st, tris)
-        acc = acc + _dot(a.astype(v.dtype), v, spec)
+        acc = acc + tiles.dot(a.astype(v.dtype), v, spec)
         return c + sp.sum(axis=1), acc, *spent
 
     carry = (jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
@@ -451,7 +451,7 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
         return (*outs, v_max)
     bq = st.blocks.block_q
     num_k_blocks = seq_pad // st.blocks.block_k
-    side_specs, side_args = _side_specs_and_args((None, None, table, table), bq, lambda i, b, h: i,
+    side_specs, side_args = tiles.side_specs_and_args((None, None, table, table), bq, lambda i, b, h: i,
                                                  seq_pad, lambda *_: 0)
     kv_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     sums_spec = pl.BlockSpec((None, None, num_k_blocks, bq), lambda i, b, h: (b, h, 0, i))
@@ -508,7 +508,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
     scaled back."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
-    _, _, tables, (dq_ref, ddecay_ref, g_ref, *bound_ref) = _unpack(refs, spec)
+    _, _, tables, (dq_ref, ddecay_ref, g_ref, *bound_ref) = tiles.unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
@@ -534,18 +534,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
         z = _logits((q,), (k,), spec, lam, rows, cols, st.fast)
         valid = cols < rows if masked else None
         _, sigma, a = _stick(z, valid, c_ref[block, :][:, None] + shift, 1, st, tris)  # A 2^-shift
-        da = _dot(do, v, spec, trans_b=True)
+        da = tiles.dot(do, v, spec, trans_b=True)
         dz, g = _dz(a, da, sigma, valid, g_left[:, None], 1, st, tris)
         ddecay = ddecay - jnp.sum(dz * (rows - cols).astype(jnp.float32), axis=1)
-        dq = dq + _dot(dz.astype(k_ref.dtype), k, spec)
+        dq = dq + tiles.dot(dz.astype(k_ref.dtype), k, spec)
         return g_left + g.sum(axis=1), ddecay, dq
 
     first = first_ref[pl.program_id(0)]
     _fill_blocks(g_ref, first, g0)
     carry = (g0 * down, jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
     _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first)
-    _store_rotated_back(dq_ref, dq * (spec.scale * up), spec, head_dim,
-                        None if tables is None else _rope_cos_sin(tables[0]))
+    tiles.store_rotated_back(dq_ref, dq * (spec.scale * up), spec, head_dim,
+                        None if tables is None else tiles.rope_cos_sin(tables[0]))
     ddecay_ref[...] = ddecay * up
 
 
@@ -559,7 +559,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
     sums once read; dk and dv are scaled back."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
-    _, _, tables, (dk_ref, dv_ref) = _unpack(refs, spec)
+    _, _, tables, (dk_ref, dv_ref) = tiles.unpack(refs, spec)
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
@@ -583,12 +583,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
         z = _logits((q,), (k,), spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
         # dA next to the logits' product, before the tile math (H100, 2x8192x16x128 bf16: fwd+bwd
         # 8.50 -> 8.42 ms, bit-equal; in the dQ kernel it took 8.51 -> 8.62)
-        da = _dot(v, do, spec, trans_b=True)
+        da = tiles.dot(v, do, spec, trans_b=True)
         valid = cols < rows if masked else None
         _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :] + shift, 0, st, tris)  # A 2^-shift
         dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :] * down, 0, st, tris)
-        dv = dv + _dot(a.astype(do.dtype), do, spec)
-        dk = dk + _dot(dz.astype(q_ref.dtype), q, spec)
+        dv = dv + tiles.dot(a.astype(do.dtype), do, spec)
+        dk = dk + tiles.dot(dz.astype(q_ref.dtype), q, spec)
         return dk, dv
 
     lo = (first_col + 1) // block_q  # first query block with a row > the first key
@@ -600,8 +600,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
     carry = jax.lax.fori_loop(lo * group, full * group, functools.partial(body, masked=True), carry)
     carry = jax.lax.fori_loop(full * group, near, unmasked, carry)
     dk, dv = jax.lax.fori_loop(0, num_extras, lambda t, c: unmasked(extras_ref[t], c), carry)
-    _store_rotated_back(dk_ref, dk * (spec.scale * up), spec, head_dim,
-                        None if tables is None else _rope_cos_sin(tables[1]))
+    tiles.store_rotated_back(dk_ref, dk * (spec.scale * up), spec, head_dim,
+                        None if tables is None else tiles.rope_cos_sin(tables[1]))
     dv_ref[...] = (dv * up).astype(dv_ref.dtype)
 
 
@@ -636,7 +636,7 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: in
     extras = jnp.zeros(np.prod(lists) * num_steps, jnp.int32).at[slot.ravel()].set(
         jnp.broadcast_to(step, extra.shape).ravel(), mode="drop").reshape(*lists, num_steps)
     bounds = jnp.stack([near, extra.sum(axis=3)], axis=2).astype(jnp.int32)
-    return (_pad_axis(first, 2, pow2_at_least(first.shape[2])), _pad_axis(bounds, 3, pow2_at_least(num_k_blocks)),
+    return (padding.pad_axis(first, 2, pow2_at_least(first.shape[2])), padding.pad_axis(bounds, 3, pow2_at_least(num_k_blocks)),
             extras)
 
 
@@ -655,7 +655,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
     bq, bk = blocks.block_q, blocks.block_k
     num_k_blocks = seq_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
-    per_head = lambda x: _pad_axis(jnp.repeat(x, group, axis=1), 1, decay.shape[0], mode="edge")
+    per_head = lambda x: padding.pad_axis(jnp.repeat(x, group, axis=1), 1, decay.shape[0], mode="edge")
     head_spec = pl.BlockSpec((None, decay.shape[0]), lambda _, b, h: (b, 0))  # [B, H (padded)] per program
     tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
     tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
@@ -667,7 +667,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     boundary_spec = pl.BlockSpec((None, None, num_k_blocks, bq), lambda i, b, h: (b, h, 0, i))
     side = (None, None, table, table)
-    side_specs, side_args = _side_specs_and_args(side, bq, lambda i, b, h: i, seq_pad, lambda *_: 0)
+    side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, seq_pad, lambda *_: 0)
     boundary = jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32)
     rows = jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)
     zeros = jnp.zeros((batch, num_kv_heads), jnp.float32)
@@ -688,7 +688,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
     q_group_spec = pl.BlockSpec((None, seq_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
     boundary_group_spec = pl.BlockSpec((None, None, group, None, seq_pad), lambda j, b, h: (b, h, 0, j, 0))
     kv_block_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
-    side_specs, side_args = _side_specs_and_args(side, seq_pad, lambda *_: 0, bk, lambda j, b, h: j)
+    side_specs, side_args = tiles.side_specs_and_args(side, seq_pad, lambda *_: 0, bk, lambda j, b, h: j)
     as_groups = lambda x: x.reshape(batch, seq_pad, num_kv_heads, group, head_dim)
     rows_as_groups = lambda x: x.reshape(batch, num_kv_heads, group, *x.shape[2:])
     dk, dv = pl.pallas_call(
@@ -733,7 +733,7 @@ def _sum_compensated(x):
     Knuth's TwoSum, each add's exact rounding error carried in a second fp32 word (elementwise
     ops only, which XLA does not reassociate), so the result errs ~1 ulp of the sum."""
     n = pow2_at_least(x.shape[-1])
-    hi = _pad_axis(x, x.ndim - 1, n)
+    hi = padding.pad_axis(x, x.ndim - 1, n)
     lo = jnp.zeros_like(hi)
     while n > 1:
         n //= 2
@@ -775,7 +775,7 @@ def _stick_breaking_bwd(st, residuals, cotangents):
     do, drem = cotangents
     dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, v_max, c_sums, spent)
     ddecay = _sum_compensated(jnp.moveaxis(ddecay, 1, 0).reshape(ddecay.shape[1], -1))  # [H]
-    return dq, dk, dv, _pad_axis(ddecay, 0, decay.shape[0]), None
+    return dq, dk, dv, padding.pad_axis(ddecay, 0, decay.shape[0]), None
 
 
 _stick_breaking.defvjp(_stick_breaking_fwd, _stick_breaking_bwd)
@@ -814,11 +814,11 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
         blocks = blocks.fitted(seq_len)
         tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv)
     seq_pad = pl.cdiv(seq_len, tile) * tile
-    qp = _pad_axis(_pad_head_dim(q, spec, head_pad, True), 1, seq_pad)
-    kp = _pad_axis(_pad_head_dim(k, spec, head_pad, True), 1, seq_pad)
-    vp = _pad_axis(_pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
+    qp = padding.pad_axis(padding.pad_head_dim(q, spec, head_pad, True), 1, seq_pad)
+    kp = padding.pad_axis(padding.pad_head_dim(k, spec, head_pad, True), 1, seq_pad)
+    vp = padding.pad_axis(padding.pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
-    decay_pad = _pad_axis(decay.astype(jnp.float32), 0, pow2_at_least(decay.shape[0]))
+    decay_pad = padding.pad_axis(decay.astype(jnp.float32), 0, pow2_at_least(decay.shape[0]))
     st = _Static(spec, blocks, interpret, jnp.dtype(q.dtype), mosaic=mosaic, skip=skip_spent)
     out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]

@@ -1,0 +1,87 @@
+"""What an attention call computes, independent of the backend that computes it.
+
+`AttentionSpec` is the static description (hashable, a `custom_vjp` non-diff argument) shared by
+the plain reference and the Pallas engine. `visible` is the one element-mask definition both use.
+`visit.py` turns it into "which key blocks each query block visits" (the visit plan).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from attn_spec.rope import Rope
+
+LOG2E = math.log2(math.e)  # the kernels exponentiate in base 2
+
+
+def pow2_at_least(n: int, minimum: int = 16) -> int:
+    """The power of two >= n and >= minimum: tile sides and padded head dims (16 = the smallest
+    side a matrix-unit dot takes)."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def padded_head_dim(spec: "AttentionSpec", head_dim: int) -> int:
+    """The head dim every engine pads to: a power of two; with RoPE twice one, so that the pairs'
+    first and second columns each fill a power of two (style "half" pads them apart)."""
+    return pow2_at_least(head_dim) if spec.rope is None else 2 * pow2_at_least(head_dim // 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static part of an attention call.
+
+    window_left / window_right: query i sees keys i - left .. i + right (None = unbounded).
+    causal: query i sees keys j <= i (top-left aligned).
+    """
+
+    scale: float
+    causal: bool = False
+    window_left: int | None = None
+    window_right: int | None = None
+    softcap: float | None = None
+    has_segments: bool = False
+    precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+    rope: Rope | None = None  # rotate q and k by their positions (fused in the kernels)
+
+    @property
+    def right_reach(self) -> int | None:
+        """How far to the right of the diagonal a query may look (None = unbounded)."""
+        reach = self.window_right
+        if self.causal:
+            reach = 0 if reach is None else min(reach, 0)
+        return reach
+
+    @property
+    def has_position_mask(self) -> bool:
+        return self.causal or self.window_left is not None or self.window_right is not None
+
+
+def visible(spec: AttentionSpec, rows, cols, kv_len: int, q_seg=None, kv_seg=None):
+    """Element mask: True where query position `rows` may attend key position `cols`.
+
+    `rows`, `cols` (and the segment ids, aligned with them) broadcast against each other, so one
+    definition serves the reference ([Sq, Sk]) and every kernel tile orientation.
+    """
+    mask = cols < kv_len
+    if spec.causal:
+        mask &= cols <= rows
+    if spec.window_left is not None:
+        mask &= cols >= rows - spec.window_left
+    if spec.window_right is not None:
+        mask &= cols <= rows + spec.window_right
+    if spec.has_segments:
+        mask &= q_seg == kv_seg
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# Block ranges: the visited tiles. For every query block the visible key blocks form one
+# interval [lo, hi), and inside it the blocks that need no element mask form [full_lo, full_hi).
+# Causality and windows are static (NumPy at trace time, cached); segment ids narrow [lo, hi)
+# at run time (jnp, a few hundred elements). The transpose (query blocks per key block) drives
+# the dK/dV kernel.
+# --------------------------------------------------------------------------------------------
+
+

@@ -1,0 +1,47 @@
+"""Stick-breaking attention (ExpoSB): the plain reference.
+
+Strictly causal; for j < i (Tan et al., arXiv 2410.17980):
+  z_ij = scale * q~_i . k~_j - decay_h * (i - j),   beta_ij = sigmoid(z_ij),
+  A_ij = beta_ij * prod_{j<m<i} (1 - beta_im),    o_i = sum_j A_ij v_j,   rem_i = 1 - sum_j A_ij.
+The kernels are in `triton.py` (Pallas Triton) and `mosaic.py` (the Hopper forward).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_attn.ops.common.rope import apply_rope
+from jax_attn.ops.common.spec import AttentionSpec
+
+
+def stick_breaking_reference(q, k, v, decay, spec: AttentionSpec, *, pos=None):
+    """Plain jnp, materialising [B, Hq, S, S] (float64 under jax.enable_x64: the golden).
+
+    decay [Hq]. Log-space math in float32 (float64 for float64); A is rounded to v.dtype for the
+    A v product, as in the kernels. Gradients by autodiff."""
+    if spec.rope is not None:
+        q, k = apply_rope(q, pos, spec.rope), apply_rope(k, pos, spec.rope)
+    batch, seq_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    qg = q.reshape(batch, seq_len, num_kv_heads, group, head_dim)
+    raw = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=spec.precision, preferred_element_type=wide)
+    rows = jnp.arange(seq_len)[:, None]
+    cols = jnp.arange(seq_len)[None, :]
+    lam = decay.astype(wide).reshape(num_kv_heads, group)[None, :, :, None, None]
+    z = raw * spec.scale - lam * (rows - cols).astype(wide)
+    valid = cols < rows
+    sp = jnp.where(valid, jax.nn.softplus(z), 0.0)
+    suffix = jnp.cumsum(sp[..., ::-1], axis=-1)[..., ::-1] - sp  # sum over j < m < i
+    a = jnp.where(valid, jnp.exp(jax.nn.log_sigmoid(z) - suffix), 0.0)
+    a_v, v_a = a.astype(v.dtype), v
+    if v.dtype == jnp.float16:
+        # A's cotangent, dO . v, passes fp16's range under loss scaling (cotangents x 2^13) and
+        # would come back inf from an fp16 product: take the product in fp32 on A rounded to fp16
+        # (the same values; fp16 is exact in fp32 and TF32), the cotangent straight through in fp32
+        a_v, v_a = a + jax.lax.stop_gradient(a_v.astype(wide) - a), v.astype(wide)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", a_v, v_a, precision=spec.precision, preferred_element_type=wide)
+    out = out.reshape(batch, seq_len, num_heads, head_dim).astype(q.dtype)
+    rem = jnp.exp(-sp.sum(axis=-1)).reshape(batch, num_heads, seq_len)
+    return out, rem
