@@ -27,8 +27,8 @@ import torch
 from flax import nnx
 from torch import nn
 
-import jax_attn.layers as jax_layers
-import torch_ref.layers as torch_layers
+import jax_attn.nn.layers as jax_layers
+import torch_ref.nn.layers as torch_layers
 
 
 class BridgeError(ValueError):

@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
 import jax_attn  # noqa: E402
-from jax_attn import stick_breaking_mosaic  # noqa: E402
+from jax_attn.ops.stick_breaking import mosaic as stick_breaking_mosaic  # noqa: E402
 import torch_ref  # noqa: E402
 from parity.cases import CASES, Case  # noqa: E402
 from parity.layers import LAYER_CASES, LayerCase, check_layer_case  # noqa: E402
@@ -132,7 +132,7 @@ def _mosaic_serves(case: Case) -> bool:
         scale=1.0, causal=kw.get("causal", False), window_left=left, window_right=right,
         softcap=kw.get("softcap"), has_segments=case.segments is not None,
         rope=None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1]))
-    return jax_attn.mosaic_gpu.unsupported_reason(spec, case.shape[5], jnp.dtype(case.dtype),
+    return jax_attn.ops.softmax.mosaic.unsupported_reason(spec, case.shape[5], jnp.dtype(case.dtype),
                                                   positions=case.positions is not None) is None
 
 

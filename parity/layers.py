@@ -1,4 +1,4 @@
-"""Layer-level parity: `jax_attn.layers` against their `torch_ref.layers` twins, and a training run.
+"""Layer-level parity: `jax_attn.nn.layers` against their `torch_ref.layers` twins, and a training run.
 
 Layer cases (`kind` "attention" = MultiHeadSelfAttention, "encoder" = EncoderBlock), for the
 position schemes "none", "absolute", "rope", "exposb": the Flax layer is built from the case's seed (every
@@ -54,12 +54,12 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from torch import nn  # noqa: E402
 
-import jax_attn.layers as jl  # noqa: E402
-import torch_ref.layers as tl  # noqa: E402
-from jax_attn.rope import Rope as JaxRope  # noqa: E402
+import jax_attn.nn.layers as jl  # noqa: E402
+import torch_ref.nn.layers as tl  # noqa: E402
+from jax_attn.ops.common.rope import Rope as JaxRope  # noqa: E402
 from parity import bridge  # noqa: E402
 from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare  # noqa: E402
-from torch_ref.rope import Rope as TorchRope  # noqa: E402
+from torch_ref.ops.common.rope import Rope as TorchRope  # noqa: E402
 
 GOLDEN_AGREEMENT = 1e-10
 NP_DTYPES = {"float32": np.float32, "float64": np.float64}

@@ -1,4 +1,4 @@
-"""Layer level: jax_attn.layers / torch_ref.layers twins, positions, the parameter and array bridge,
+"""Layer level: jax_attn.nn.layers / torch_ref.layers twins, positions, the parameter and array bridge,
 the flax attention_fn adapter, and the layer parity cases of parity.layers (tolerance rule against
 a float64 golden, every parameter gradient, a 20-step training run).
 
@@ -24,12 +24,12 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from torch import nn  # noqa: E402
 
-import jax_attn.layers as jl  # noqa: E402
-import jax_attn.positions as jp  # noqa: E402
-import jax_attn.rope as jrope  # noqa: E402
-import torch_ref.layers as tl  # noqa: E402
-import torch_ref.positions as tp  # noqa: E402
-import torch_ref.rope as trope  # noqa: E402
+import jax_attn.nn.layers as jl  # noqa: E402
+import jax_attn.nn.positions as jp  # noqa: E402
+import jax_attn.ops.common.rope as jrope  # noqa: E402
+import torch_ref.nn.layers as tl  # noqa: E402
+import torch_ref.nn.positions as tp  # noqa: E402
+import torch_ref.ops.common.rope as trope  # noqa: E402
 from parity import bridge  # noqa: E402
 from parity import layers as pl  # noqa: E402
 
@@ -325,7 +325,7 @@ def test_exposb_learned_decay_starts_at_decay():
 def test_wrong_rope_type_and_stray_positions():
     with pytest.raises(TypeError, match="torch_ref.Rope"):
         tl.MultiHeadSelfAttention(32, 4, position="rope", rope=jrope.Rope())
-    with pytest.raises(TypeError, match="jax_attn.rope.Rope"):
+    with pytest.raises(TypeError, match="jax_attn.Rope"):
         jl.MultiHeadSelfAttention(32, 4, position="rope", rope=trope.Rope(), rngs=nnx.Rngs(0))
     f, t = _pair("attention", "none")
     pos = np.zeros((1, 4), np.int32)

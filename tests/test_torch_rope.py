@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from torch_ref import Rope, apply_rope, flash_attention, flash_attention_reference  # noqa: E402
-from torch_ref.rope import inverse_frequencies  # noqa: E402
+from torch_ref.ops.common.rope import inverse_frequencies  # noqa: E402
 
 from torch_golden import BF16, DEVICE, F16, F32, F64, NAMES, _assert_rule  # noqa: E402,F401
 

@@ -203,7 +203,7 @@ CONFIGS = [  # (block_m, block_n, bwd_block_n, dq_block_m, dkdv_block_m): tiles 
 def test_parity_other_tiles(tiles, monkeypatch):
     """The block-range logic for other tile shapes (a diagonal that crosses several key blocks or
     several query tiles, ragged ends at different offsets)."""
-    from torch_ref import stick_breaking_triton as sbt
+    from torch_ref.ops.stick_breaking import triton as sbt
 
     def config(head_dim, dtype, on_gpu):
         bm, bn, bwd_n, dq_m, dkdv_m = tiles

@@ -1,34 +1,21 @@
-"""Rotary position embedding (RoPE) for the PyTorch backend: the config and the plain rotation.
+"""Rotary position embedding (RoPE) for the PyTorch backend: the plain rotation.
 
-The same definition as `jax_attn.rope` (same `Rope` fields, defaults and validation messages):
-theta_i = base ** (-2 i / D), i in [0, D/2). A token at position p rotates each pair of features
-by the angle p * theta_i:
+The config `Rope` (and `ROPE_STYLES`) is the framework-free one of `attn_spec.rope`, shared with
+`jax_attn`, and re-exported here. theta_i = base ** (-2 i / D), i in [0, D/2). A token at
+position p rotates each pair of features by the angle p * theta_i:
   style="interleaved": pairs (2i, 2i + 1)   (the original project; GPT-J)
   style="half":        pairs (i, i + D/2)   (LLaMA, GPT-NeoX)
   (x_a, x_b) -> (x_a cos - x_b sin, x_a sin + x_b cos).
 `apply_rope` is the eager reference (rotate, then attend); the Triton kernels rotate q and k
-after load, with the angle computed exactly as here (float32 theta table, float32 position times
-theta) so that their rotation matches the eager one in the compute dtype.
+after load (`torch_ref.ops.common.triton_tiles`), with the angle computed exactly as here
+(float32 theta table, float32 position times theta) so that their rotation matches the eager one
+in the compute dtype.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-ROPE_STYLES = ("interleaved", "half")
-
-
-@dataclasses.dataclass(frozen=True)
-class Rope:
-    base: float = 10000.0
-    style: str = "interleaved"
-
-    def __post_init__(self):
-        if self.style not in ROPE_STYLES:
-            raise ValueError(f"unknown rope style={self.style!r}; choose one of {ROPE_STYLES}")
-        if not (isinstance(self.base, (int, float)) and self.base > 1.0):
-            raise ValueError(f"rope base must be a number > 1, got base={self.base!r}")
+from attn_spec.rope import ROPE_STYLES, Rope
 
 
 def split_pairs(x: torch.Tensor, style: str):

@@ -1,6 +1,7 @@
-"""Triton kernels for stick-breaking attention ("ExpoSB"): forward, dQ, dK/dV, and their launchers.
+"""Triton kernels for stick-breaking attention ("ExpoSB"): forward, dQ, dK/dV, their launchers and
+the autograd Function `StickBreakingFn` that `torch_ref.api.stick_breaking_attention` calls.
 
-Definition: see `torch_ref.stick_breaking`. Strictly causal; for key j < row i,
+Definition: see `torch_ref.ops.stick_breaking.reference`. Strictly causal; for key j < row i,
   z_ij = scale * q~_i . k~_j - lambda_h (i - j),  sp = softplus(z),  log beta = log sigmoid(z),
   log A_ij = log beta_ij - sum_{j<m<i} sp_im,  out_i = sum_j A_ij v_j,  rem_i = exp(-sum_j sp_ij).
 All log-space math is fp32; A is rounded to v.dtype for the A v product (fp32 accumulation).
@@ -44,7 +45,7 @@ Masking: tiles strictly left of the diagonal (every key < every row of the tile,
 skip the element mask; diagonal tiles and the ragged end of the sequence apply it. Row 0 (no
 key) and key S - 1 (seen by no row) are kept out of the products, so NaN / inf there cannot spread.
 
-RoPE reuses the helpers of `flash_triton` (q, k tiles loaded as the two rotated pair halves;
+RoPE reuses the shared helpers of `torch_ref.ops.common.triton_tiles` (q, k tiles loaded as the two rotated pair halves;
 dq, dk accumulated as halves and rotated back before the store). Importing this module imports
 triton: choose the interpreter (TRITON_INTERPRET=1) before that.
 """
@@ -56,10 +57,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_triton import (INTERPRETED, _device_ctx, _load_2d, _load_own, _load_rotated, _precision, _rope_args,
-                           _store_unrotated)
+from ..common.triton_tiles import (INTERPRETED, device_ctx, load_2d, load_own, load_rotated, precision, rope_args,
+                                   store_unrotated)
 
-__all__ = ["StickBreakingConfig", "default_config", "forward", "backward", "INTERPRETED"]
+__all__ = ["StickBreakingConfig", "default_config", "forward", "backward", "StickBreakingFn", "INTERPRETED"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,14 +218,14 @@ def _fwd_inner(acc, c, q, q2, k_base, v_base, kp_base, sks, skd, svs, svd, skp_s
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < S
         if ROPE:
-            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
-                                    DIAG, CHECK_H, ROPE_INTERLEAVED, True)
+            kT, kT2 = load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                   DIAG, CHECK_H, ROPE_INTERLEAVED, True)
             qk = tl.dot(q, kT, input_precision=PRECISION)
             qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
         else:
-            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
+            kT = load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
             qk = tl.dot(q, kT, input_precision=PRECISION)
-        v = _load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, DIAG, CHECK_D)
+        v = load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, DIAG, CHECK_D)
         z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY, BASE2)
         sp, log_beta = _softplus_logsigmoid(z, BASE2)
         if DIAG:
@@ -266,8 +267,8 @@ def _sb_fwd_kernel(Q, K, V, O, REM, DECAY, THETA, QPOS, KPOS,
     m_ok = rows < S
     d_ok = offs_d < HEAD_DIM
 
-    q, q2, offs_h, h_ok, theta = _load_own(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, THETA,
-                                           offs_d, d_ok, scale, HEAD_DIM, BLOCK_H, CHECK_D, ROPE, ROPE_INTERLEAVED)
+    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, THETA,
+                                          offs_d, d_ok, scale, HEAD_DIM, BLOCK_H, CHECK_D, ROPE, ROPE_INTERLEAVED)
     kp_base = KPOS
     if ROPE:
         kp_base = KPOS + b * skpb
@@ -311,12 +312,12 @@ def _dq_prepass(c, q, q2, k_base, kp_base, cb_base, sks, skd, skp_s, theta, lam,
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < S
         if ROPE:
-            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
-                                    DIAG, CHECK_H, ROPE_INTERLEAVED, True)
+            kT, kT2 = load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                   DIAG, CHECK_H, ROPE_INTERLEAVED, True)
             qk = tl.dot(q, kT, input_precision=PRECISION)
             qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
         else:
-            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
+            kT = load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
             qk = tl.dot(q, kT, input_precision=PRECISION)
         z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY, BASE2)
         sp, _ = _softplus_logsigmoid(z, BASE2)
@@ -340,14 +341,14 @@ def _dq_inner(dq, dq2, ddec, p_run, q, q2, do, k_base, v_base, kp_base, cb_base,
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < S
         if ROPE:
-            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
-                                    DIAG, CHECK_H, ROPE_INTERLEAVED, True)
+            kT, kT2 = load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                   DIAG, CHECK_H, ROPE_INTERLEAVED, True)
             qk = tl.dot(q, kT, input_precision=PRECISION)
             qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
         else:
-            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
+            kT = load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, DIAG)
             qk = tl.dot(q, kT, input_precision=PRECISION)
-        vT = _load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, DIAG)
+        vT = load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, DIAG)
         c = tl.load(cb_base + blk * s64 + rows, mask=m_ok, other=0.0)
         z = _logits(qk, scale, lam, rows[:, None], cols[None, :], HAS_DECAY, BASE2)
         sp, log_beta = _softplus_logsigmoid(z, BASE2)
@@ -405,8 +406,8 @@ def _sb_bwd_dq_kernel(Q, K, V, DO, P0, DQ, DDEC, CB, PB, DECAY, THETA, QPOS, KPO
     m_ok = rows < S
     d_ok = offs_d < HEAD_DIM
 
-    q, q2, offs_h, h_ok, theta = _load_own(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, THETA,
-                                           offs_d, d_ok, scale, HEAD_DIM, BLOCK_H, CHECK_D, ROPE, ROPE_INTERLEAVED)
+    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + h * sqh, rows, m_ok, sqs, sqd, QPOS + b * sqpb, sqps, THETA,
+                                          offs_d, d_ok, scale, HEAD_DIM, BLOCK_H, CHECK_D, ROPE, ROPE_INTERLEAVED)
     if ROPE:
         kp_base = KPOS + b * skpb
         dq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -415,7 +416,7 @@ def _sb_bwd_dq_kernel(Q, K, V, DO, P0, DQ, DDEC, CB, PB, DECAY, THETA, QPOS, KPO
         kp_base = KPOS
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         dq2 = dq  # unused placeholder
-    do = _load_2d(DO + b * sdob + h * sdoh + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True, CHECK_D)
+    do = load_2d(DO + b * sdob + h * sdoh + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True, CHECK_D)
     bh = b * Hq + h
     lam = 0.0
     if HAS_DECAY:
@@ -453,8 +454,8 @@ def _sb_bwd_dq_kernel(Q, K, V, DO, P0, DQ, DDEC, CB, PB, DECAY, THETA, QPOS, KPO
                                      h_ok, S, s64, scale, n_left, n_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True,
                                      HAS_DECAY, DECAY_GRAD, ROPE, ROPE_INTERLEAVED, PRECISION, BASE2)
     if ROPE:
-        _store_unrotated(DQ + b * sdqb + h * sdqh, rows, m_ok, sdqs, sdqd, dq * scale, dq2 * scale,
-                         QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
+        store_unrotated(DQ + b * sdqb + h * sdqh, rows, m_ok, sdqs, sdqd, dq * scale, dq2 * scale,
+                        QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
     else:
         dq = dq * scale
         tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqs + offs_d[None, :] * sdqd,
@@ -481,14 +482,14 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_base, do_base, cb_base, pb_base, qp_bas
         rows = blk * BLOCK_M + offs_m
         m_ok = rows < S
         if ROPE:
-            qT, qT2 = _load_rotated(q_base, rows, m_ok, sqs, sqd, qp_base, sqp_s, theta, offs_h, h_ok, HALF,
-                                    MASKED, CHECK_H, ROPE_INTERLEAVED, True)
+            qT, qT2 = load_rotated(q_base, rows, m_ok, sqs, sqd, qp_base, sqp_s, theta, offs_h, h_ok, HALF,
+                                   MASKED, CHECK_H, ROPE_INTERLEAVED, True)
             qk = tl.dot(k, qT, input_precision=PRECISION)
             qk = tl.dot(k2, qT2, qk, input_precision=PRECISION)
         else:
-            qT = _load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, MASKED)
+            qT = load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, MASKED)
             qk = tl.dot(k, qT, input_precision=PRECISION)
-        do = _load_2d(do_base + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, MASKED, CHECK_D)
+        do = load_2d(do_base + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, MASKED, CHECK_D)
         if MASKED:
             seen = m_ok & (rows > n0)  # rows with a key in this block: the dQ kernel wrote their sums
             c = tl.load(cb_base + rows, mask=seen, other=0.0)
@@ -552,8 +553,8 @@ def _sb_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, CB, PB, DECAY, THETA, QPOS, KPOS,
     n_ok = cols < S
     d_ok = offs_d < HEAD_DIM
 
-    k, k2, offs_h, h_ok, theta = _load_own(K + b * skb + hk * skh, cols, n_ok, sks, skd, KPOS + b * skpb, skps, THETA,
-                                           offs_d, d_ok, scale, HEAD_DIM, BLOCK_H, CHECK_D, ROPE, ROPE_INTERLEAVED)
+    k, k2, offs_h, h_ok, theta = load_own(K + b * skb + hk * skh, cols, n_ok, sks, skd, KPOS + b * skpb, skps, THETA,
+                                          offs_d, d_ok, scale, HEAD_DIM, BLOCK_H, CHECK_D, ROPE, ROPE_INTERLEAVED)
     if ROPE:
         qp_base = QPOS + b * sqpb
         dk = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
@@ -562,7 +563,7 @@ def _sb_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, CB, PB, DECAY, THETA, QPOS, KPOS,
         qp_base = QPOS
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dk2 = dk  # unused placeholder
-    v = _load_2d(V + b * svb + hk * svh + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True, CHECK_D)
+    v = load_2d(V + b * svb + hk * svh + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True, CHECK_D)
     # key S - 1 is seen by no row: keep whatever it holds out of the products
     seen_k = cols < S - 1
     k = tl.where(seen_k[:, None], k, 0.0)
@@ -602,8 +603,8 @@ def _sb_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, CB, PB, DECAY, THETA, QPOS, KPOS,
 
     mask = n_ok[:, None] & d_ok[None, :]
     if ROPE:
-        _store_unrotated(DK + b * sdkb + hk * sdkh, cols, n_ok, sdks, sdkd, dk * scale, dk2 * scale,
-                         KPOS + b * skpb, skps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
+        store_unrotated(DK + b * sdkb + hk * sdkh, cols, n_ok, sdks, sdkd, dk * scale, dk2 * scale,
+                        KPOS + b * skpb, skps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
     else:
         dk = dk * scale
         tl.store(DK + b * sdkb + hk * sdkh + cols[:, None] * sdks + offs_d[None, :] * sdkd,
@@ -632,7 +633,7 @@ def forward(q, k, v, *, scale: float, decay=None, rope=None, q_pos=None, kv_pos=
 
     decay: None or a contiguous fp32 tensor [Hq] (lambda per head). rope: a `torch_ref.Rope` or
     None; with it q_pos, kv_pos [B, S] are the integer positions. Inputs are assumed validated
-    (see torch_ref.stick_breaking).
+    (see torch_ref.ops.common.validation).
     """
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -642,15 +643,15 @@ def forward(q, k, v, *, scale: float, decay=None, rope=None, q_pos=None, kv_pos=
     if out.numel() == 0:
         return out, rem.fill_(1.0)
     decay_ptr, has_decay = _decay_args(decay, q)
-    rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q_pos, kv_pos, q)
+    rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     grid = (triton.cdiv(S, cfg.block_m), Hq, B)
-    with _device_ctx(q):
+    with device_ctx(q):
         _sb_fwd_kernel[grid](
             q, k, v, out, rem, decay_ptr, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *rope_strides,
             Hq, Hq // Hkv, S, scale,
             HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, HAS_DECAY=has_decay,
-            PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **rope_flags)
+            PRECISION=precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **rope_flags)
     return out, rem
 
 
@@ -679,11 +680,11 @@ def backward(do, q, k, v, rem, *, scale: float, drem=None, decay=None, decay_gra
     cb = torch.empty((B, Hq, nkb, S), dtype=torch.float32, device=q.device)
     pb = torch.empty((B, Hq, nkb, S), dtype=torch.float32, device=q.device)
     decay_ptr, has_decay = _decay_args(decay, q)
-    rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q_pos, kv_pos, q)
+    rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     common = dict(HEAD_DIM=D, BLOCK_N=cfg.bwd_block_n, BLOCK_D=cfg.block_d, HAS_DECAY=has_decay,
-                  PRECISION=_precision(q.dtype), num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+                  PRECISION=precision(q.dtype), num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
                   **rope_flags)
-    with _device_ctx(q):
+    with device_ctx(q):
         _sb_bwd_dq_kernel[(triton.cdiv(S, cfg.dq_block_m), Hq, B)](
             q, k, v, do, rem if p0 is None else p0, dq, ddec if decay_grad else rem, cb, pb, decay_ptr,
             *rope_ptrs, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *rope_strides,
@@ -694,3 +695,46 @@ def backward(do, q, k, v, rem, *, scale: float, drem=None, decay=None, decay_gra
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *rope_strides,
             Hq, Hq // Hkv, S, nkb, scale, BLOCK_M=cfg.dkdv_block_m, **common)
     return dq, dk, dv, ddec
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------
+class StickBreakingFn(torch.autograd.Function):
+    """Triton forward + backward. Outputs (out, rem), both differentiable. Gradients for q, k, v
+    and the decay tensor (when one is given: `decay_t`, its own shape and dtype)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, decay_t, decay_value, scale, rope, q_pos, kv_pos):
+        Hq = q.shape[2]
+        if decay_t is not None:
+            lam = decay_t.detach().to(torch.float32).reshape(-1).expand(Hq).contiguous()
+        elif decay_value != 0.0:
+            lam = torch.full((Hq,), decay_value, dtype=torch.float32, device=q.device)
+        else:
+            lam = None
+        out, rem = forward(q, k, v, scale=scale, decay=lam, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+        ctx.save_for_backward(q, k, v, rem, lam, q_pos, kv_pos)
+        ctx.opts = dict(scale=scale, rope=rope)
+        ctx.decay_meta = None if decay_t is None else (tuple(decay_t.shape), decay_t.dtype)
+        ctx.set_materialize_grads(False)
+        return out, rem
+
+    @staticmethod
+    def backward(ctx, dout, drem):
+        q, k, v, rem, lam, q_pos, kv_pos = ctx.saved_tensors
+        want_decay = ctx.decay_meta is not None and ctx.needs_input_grad[3]
+        if dout is None and drem is None:
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            ddecay_rows = torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device) if want_decay else None
+        else:
+            if dout is None:
+                dout = torch.zeros_like(q)
+            dq, dk, dv, ddecay_rows = backward(dout, q, k, v, rem, drem=drem, decay=lam, decay_grad=want_decay,
+                                               q_pos=q_pos, kv_pos=kv_pos, **ctx.opts)
+        ddecay = None
+        if want_decay:
+            shape, dtype = ctx.decay_meta
+            per_head = ddecay_rows.to(torch.float64).sum(dim=(0, 2))  # [Hq]
+            ddecay = (per_head.sum() if shape == () else per_head).to(dtype).reshape(shape)
+        return dq, dk, dv, ddecay, None, None, None, None, None

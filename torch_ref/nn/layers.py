@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .flash import flash_attention
+from ..api import flash_attention, stick_breaking_attention
+from ..ops.common.rope import Rope
 from .positions import sinusoidal_at, sinusoidal_positions
-from .rope import Rope
-from .stick_breaking import stick_breaking_attention
 
 POSITIONS = ("none", "absolute", "rope", "exposb")
 LAYER_NORM_EPS = 1e-5

@@ -4,13 +4,13 @@ This is the golden reference (run it in float64) and the `implementation="eager"
 computes the matmuls in the input dtype (that is what "naive" means in the tolerance rule) and
 the softmax statistics in float32 (float64 for float64 inputs, so the golden stays float64); the
 log-sum-exp it returns has that statistics dtype. With RoPE, q and k are rotated first
-(`torch_ref.rope.apply_rope`: angles in float32, float64 for float64 inputs), then attended.
+(`torch_ref.ops.common.rope.apply_rope`: angles in float32, float64 for float64 inputs), then attended.
 """
 from __future__ import annotations
 
 import torch
 
-from .rope import apply_rope
+from ..common.rope import apply_rope
 
 
 def visibility(Sq: int, Sk: int, *, causal: bool, window, q_ids, kv_ids, device) -> torch.Tensor:
@@ -33,7 +33,7 @@ def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, w
               rope=None, q_pos=None, kv_pos=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq]).
 
-    Inputs are assumed validated (see torch_ref.flash). Rows with no visible key give out 0 and
+    Inputs are assumed validated (see torch_ref.ops.common.validation). Rows with no visible key give out 0 and
     lse -inf, with zero (never NaN) gradients. rope: a `Rope` (then q_pos [B, Sq] and kv_pos
     [B, Sk] are the integer positions of q and k) or None.
     """

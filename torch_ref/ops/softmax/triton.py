@@ -1,7 +1,9 @@
 """Triton kernels for FlashAttention (forward, dK/dV, dQ) and their launch wrappers.
 
-Read top to bottom: block configuration, shared device helpers, the forward kernel, the two
-backward kernels, then the host-side launchers used by `torch_ref.flash`.
+Read top to bottom: block configuration, the softmax device helpers, the forward kernel, the two
+backward kernels, the host-side launchers, then the autograd Function `FlashAttentionFn` that
+`torch_ref.api.flash_attention` calls. The helpers both variants share (tile loads, RoPE, launch
+helpers) live in `torch_ref.ops.common.triton_tiles`.
 
 Layout is BSHD everywhere: q/o/dq `[B, Sq, Hq, D]`, k/v/dk/dv `[B, Sk, Hkv, D]`; strides are
 passed explicitly so any strided view works. Softmax statistics are fp32. Internally the kernels
@@ -18,7 +20,7 @@ tile, ignoring segments) or *boundary*. Blocks that no row of the tile can see a
 interior blocks skip the positional mask; boundary blocks (diagonal, window edges, the ragged end
 of the sequence) apply it. Segment ids are data, so with segments every visited block is masked.
 
-RoPE (constexpr ROPE, ROPE_INTERLEAVED; see "RoPE helpers"): q and k tiles are rotated in
+RoPE (constexpr ROPE, ROPE_INTERLEAVED; see "RoPE helpers" in `triton_tiles`): q and k tiles are rotated in
 registers right after their load, in every kernel; v is not rotated. The ROPE=False code path is
 the one without RoPE, unchanged (the RoPE branches are compile-time and add only unused arguments).
 
@@ -27,20 +29,27 @@ the environment before that happens.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# Whether the @triton.jit functions below were built for the interpreter (fixed at import).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ..common.triton_tiles import (INTERPRETED, device_ctx, load_2d, load_own, load_rotated, precision, rope_args,
+                                   store_unrotated)
+from ..common.validation import MAX_HEAD_DIM
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # usable inside @triton.jit
-MAX_HEAD_DIM = 256
+# The dK/dV kernel recomputes P = 2^(s2 - m2) * inv_l with the forward's m2 and inv_l, which is
+# exact only if its scores are the forward's bit for bit. Compiled, an fp32 tl.dot is a chain of
+# FMAs over d for each element, the same for k @ q^T as for q @ k^T. The interpreter's tl.dot is
+# np.matmul, i.e. the machine's BLAS, whose kernel and summation order depend on the operand shapes,
+# layouts and the CPU: k @ q^T [BLOCK_N, BLOCK_M] does not round like the forward's q @ k^T
+# [BLOCK_M, BLOCK_N] (on AMD EPYC, P then sums to 1 +- ~1e-6 and the fp32 dV error quadrupled).
+# So the interpreted dK/dV kernel computes its scores as the forward does (same tiles, same
+# layouts, same call) and transposes them; the compiled kernel keeps k @ q^T.
+_FWD_SCORES = tl.constexpr(INTERPRETED)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,20 +108,6 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> FlashConf
 # ----------------------------------------------------------------------------------------------
 # Device helpers
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _load_2d(ptrs, r_ok, c_ok, CHECK_R: tl.constexpr, CHECK_C: tl.constexpr):
-    """Load a 2-D tile; out-of-range rows/cols read 0. Checks compiled in only where needed."""
-    if CHECK_R and CHECK_C:
-        x = tl.load(ptrs, mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-    elif CHECK_R:
-        x = tl.load(ptrs, mask=r_ok[:, None], other=0.0)
-    elif CHECK_C:
-        x = tl.load(ptrs, mask=c_ok[None, :], other=0.0)
-    else:
-        x = tl.load(ptrs)
-    return x
-
-
 @triton.jit
 def _tanh(x):
     """fp32 tanh within ~2 ulp (no libdevice, so it also runs in the interpreter).
@@ -223,146 +218,6 @@ def _query_blocks(n0, Sq, Sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 # ----------------------------------------------------------------------------------------------
-# RoPE helpers (ROPE=True only)
-# ----------------------------------------------------------------------------------------------
-# With RoPE every q / k tile is loaded as its two pair halves x_a, x_b (each [rows, BLOCK_H],
-# BLOCK_H = D/2 padded to a power of two >= 16, masked on the real D/2 columns): for "half" the
-# columns [0, D/2) and [D/2, D), for "interleaved" the even and odd columns (strided offsets 2j and
-# 2j + 1). They are rotated in fp32 right after the load and rounded once to the input dtype (as
-# the eager reference does), so scores are dot(q_a, k_a^T) + dot(q_b, k_b^T): no in-register
-# shuffle. The dq / dk accumulators are kept as two halves (gradients w.r.t. the rotated q, k)
-# and rotated back with R^T before the store.
-@triton.jit
-def _load_1d(ptrs, ok, CHECK: tl.constexpr):
-    if CHECK:
-        x = tl.load(ptrs, mask=ok, other=0)
-    else:
-        x = tl.load(ptrs)
-    return x
-
-
-@triton.jit
-def _pair_cols(offs_h, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Columns of the two members of pair j: (2j, 2j + 1) interleaved, (j, j + D/2) half."""
-    if INTERLEAVED:
-        col_a = 2 * offs_h
-        col_b = col_a + 1
-    else:
-        col_a = offs_h
-        col_b = offs_h + HALF
-    return col_a, col_b
-
-
-@triton.jit
-def _load_positions(pos_base, rows, r_ok, s_pos, offs_h, CHECK_R: tl.constexpr, TRANS: tl.constexpr):
-    """The positions of `rows` as fp32, loaded directly in the tile's shape [rows, BLOCK_H]
-    ([BLOCK_H, rows] if TRANS): the pointers are broadcast along the pair axis.
-
-    The dK/dV kernel uses this instead of a [rows] vector broadcast afterwards. In its loop the
-    vector, whose layout is replicated across lanes, becomes lane-predicated cp.async copies in
-    Triton 3.6's software pipeline, and ptxas (CUDA 12.8 as bundled with Triton 3.6, and 12.9;
-    sm_90a) segfaulted on the 16-bit dK/dV kernel for every tile config tried. In the tile's shape
-    nothing is replicated: it compiles, with fewer spills. The forward and dQ kernels keep the
-    vector: they compile with it, and the tile would cost them pipelined shared memory (forward:
-    up to 32 KB more)."""
-    if TRANS:
-        ptrs = pos_base + rows[None, :] * s_pos + 0 * offs_h[:, None]
-        ok = r_ok[None, :]
-    else:
-        ptrs = pos_base + rows[:, None] * s_pos + 0 * offs_h[None, :]
-        ok = r_ok[:, None]
-    if CHECK_R:
-        pos = tl.load(ptrs, mask=ok, other=0)
-    else:
-        pos = tl.load(ptrs)
-    return pos.to(tl.float32)
-
-
-@triton.jit
-def _rope_cos_sin(pos, theta, TRANS: tl.constexpr, TILE_POS: tl.constexpr = False):
-    """cos, sin of the angle pos * theta in fp32: [rows, BLOCK_H], or [BLOCK_H, rows] if TRANS.
-
-    pos: fp32 positions [rows] (already in the tile's shape if TILE_POS); theta: the fp32 table
-    base ** (-2j / D) [BLOCK_H] (0 on padding), so the fp32 angle is bit-identical to the eager
-    reference's."""
-    if TILE_POS:
-        if TRANS:
-            angle = theta[:, None] * pos
-        else:
-            angle = pos * theta[None, :]
-    elif TRANS:
-        angle = theta[:, None] * pos[None, :]
-    else:
-        angle = pos[:, None] * theta[None, :]
-    return tl.cos(angle), tl.sin(angle)
-
-
-@triton.jit
-def _load_rotated(base, rows, r_ok, s_row, s_col, pos_base, s_pos, theta, offs_h, h_ok, HALF: tl.constexpr,
-                  CHECK_R: tl.constexpr, CHECK_H: tl.constexpr, INTERLEAVED: tl.constexpr, TRANS: tl.constexpr,
-                  TILE_POS: tl.constexpr = False):
-    """Rows `rows` of a q or k tile, rotated by their positions: (x_a', x_b') in the input dtype,
-    each [rows, BLOCK_H] ([BLOCK_H, rows] if TRANS). Padding rows / columns read 0 and stay 0.
-    TILE_POS: load the positions in the tile's shape (`_load_positions`; the dK/dV kernel does)."""
-    col_a, col_b = _pair_cols(offs_h, HALF, INTERLEAVED)
-    if TILE_POS:
-        pos = _load_positions(pos_base, rows, r_ok, s_pos, offs_h, CHECK_R, TRANS)
-    else:
-        pos = _load_1d(pos_base + rows * s_pos, r_ok, CHECK_R).to(tl.float32)
-    if TRANS:
-        x_a = _load_2d(base + col_a[:, None] * s_col + rows[None, :] * s_row, h_ok, r_ok, CHECK_H, CHECK_R)
-        x_b = _load_2d(base + col_b[:, None] * s_col + rows[None, :] * s_row, h_ok, r_ok, CHECK_H, CHECK_R)
-    else:
-        x_a = _load_2d(base + rows[:, None] * s_row + col_a[None, :] * s_col, r_ok, h_ok, CHECK_R, CHECK_H)
-        x_b = _load_2d(base + rows[:, None] * s_row + col_b[None, :] * s_col, r_ok, h_ok, CHECK_R, CHECK_H)
-    c, s = _rope_cos_sin(pos, theta, TRANS, TILE_POS)
-    f_a = x_a.to(tl.float32)
-    f_b = x_b.to(tl.float32)
-    r_a = (f_a * c - f_b * s).to(x_a.dtype)
-    r_b = (f_a * s + f_b * c).to(x_a.dtype)
-    return r_a, r_b
-
-
-@triton.jit
-def _load_own(ptr, rows, r_ok, s_row, s_col, pos_ptr, s_pos, THETA, offs_d, d_ok, placeholder,
-              HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, CHECK_D: tl.constexpr, ROPE: tl.constexpr,
-              INTERLEAVED: tl.constexpr, TILE_POS: tl.constexpr = False):
-    """A program's own block of q or k (rows `rows`) -> (x, x2, offs_h, h_ok, theta): with ROPE
-    its pair parts rotated by their positions, each [rows, BLOCK_H], the pair columns and THETA's
-    [BLOCK_H]; else the block [rows, BLOCK_D], with offs_d, d_ok and `placeholder` standing in for
-    the unused rest (`_load_rotated`, TILE_POS)."""
-    if ROPE:  # (one return: triton matches the types of every return, constexpr branches too)
-        HALF: tl.constexpr = HEAD_DIM // 2
-        offs_h = tl.arange(0, BLOCK_H)
-        h_ok = offs_h < HALF
-        theta = tl.load(THETA + offs_h, mask=h_ok, other=0.0)
-        x, x2 = _load_rotated(ptr, rows, r_ok, s_row, s_col, pos_ptr, s_pos, theta, offs_h, h_ok, HALF, True,
-                              BLOCK_H != HALF, INTERLEAVED, False, TILE_POS)
-    else:
-        x = _load_2d(ptr + rows[:, None] * s_row + offs_d[None, :] * s_col, r_ok, d_ok, True, CHECK_D)
-        x2 = x
-        offs_h = offs_d
-        h_ok = d_ok
-        theta = placeholder
-    return x, x2, offs_h, h_ok, theta
-
-
-@triton.jit
-def _store_unrotated(base, rows, r_ok, s_row, s_col, g_a, g_b, pos_base, s_pos, theta, offs_h, h_ok,
-                     HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Store the gradient w.r.t. the unrotated input from (g_a, g_b) [rows, BLOCK_H] (fp32, w.r.t.
-    the rotated one): R^T, (g_a, g_b) -> (g_a cos + g_b sin, -g_a sin + g_b cos)."""
-    col_a, col_b = _pair_cols(offs_h, HALF, INTERLEAVED)
-    pos = tl.load(pos_base + rows * s_pos, mask=r_ok, other=0).to(tl.float32)
-    c, s = _rope_cos_sin(pos, theta, False)
-    d_a = g_a * c + g_b * s
-    d_b = g_b * c - g_a * s
-    mask = r_ok[:, None] & h_ok[None, :]
-    tl.store(base + rows[:, None] * s_row + col_a[None, :] * s_col, d_a.to(base.dtype.element_ty), mask=mask)
-    tl.store(base + rows[:, None] * s_row + col_b[None, :] * s_col, d_b.to(base.dtype.element_ty), mask=mask)
-
-
-# ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
 @triton.jit
@@ -379,15 +234,15 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
         n_ok = cols < Sk
         # Interior blocks lie inside [0, Sk): no bounds check on their loads.
         if ROPE:
-            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
-                                    POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True)
+            kT, kT2 = load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                   POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True)
             qk = tl.dot(q, kT, input_precision=PRECISION)
             qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
         else:
-            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
+            kT = load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
             qk = tl.dot(q, kT, input_precision=PRECISION)
         s2, t = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
-        v = _load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, POSITIONAL, CHECK_D)
+        v = load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, POSITIONAL, CHECK_D)
         if POSITIONAL or HAS_SEGMENTS:
             ks = 0
             if HAS_SEGMENTS:
@@ -436,9 +291,9 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS,
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
 
-    q, q2, offs_h, h_ok, theta = _load_own(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
-                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
-                                           ROPE_INTERLEAVED)
+    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
+                                          THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
+                                          ROPE_INTERLEAVED)
     kp_base = KPOS
     if ROPE:
         kp_base = KPOS + b * skpb
@@ -485,8 +340,8 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS,
 # Backward: dK/dV (one program per key tile and kv head, looping over its GQA group's q heads)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base, qp_base,
-                sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk,
+def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
+                qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk,
                 left, right, score_mul, cap_mul, blk_lo, blk_hi,
                 BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                 POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -494,16 +349,29 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base,
                 ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
     # Tiles are transposed ([keys, queries]) so dK, dV accumulate as [BLOCK_N, D] without trans.
     # With ROPE, (k, k2) and (dk, dk2) are the pair halves (rotated k; gradient w.r.t. it).
+    # (kT, kT2): the key tile as the forward loads it, used only if _FWD_SCORES (interpreter).
     for blk in range(blk_lo, blk_hi):
         rows = blk * BLOCK_M + offs_m
         m_ok = rows < Sq
-        if ROPE:
-            qT, qT2 = _load_rotated(q_base, rows, m_ok, sqs, sqd, qp_base, sqps, theta, offs_h, h_ok, HALF,
-                                    POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True, True)
+        if _FWD_SCORES:  # the forward's scores bit for bit (see _FWD_SCORES), transposed
+            if ROPE:
+                qr, qr2 = load_rotated(q_base, rows, m_ok, sqs, sqd, qp_base, sqps, theta, offs_h, h_ok, HALF,
+                                       POSITIONAL, CHECK_H, ROPE_INTERLEAVED, False)
+                qk = tl.dot(qr, kT, input_precision=PRECISION)
+                qk = tl.trans(tl.dot(qr2, kT2, qk, input_precision=PRECISION))
+                qT = tl.trans(qr)
+                qT2 = tl.trans(qr2)
+            else:
+                qr = load_2d(q_base + rows[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, POSITIONAL, CHECK_D)
+                qk = tl.trans(tl.dot(qr, kT, input_precision=PRECISION))
+                qT = tl.trans(qr)
+        elif ROPE:
+            qT, qT2 = load_rotated(q_base, rows, m_ok, sqs, sqd, qp_base, sqps, theta, offs_h, h_ok, HALF,
+                                   POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True, True)
             qk = tl.dot(k, qT, input_precision=PRECISION)
             qk = tl.dot(k2, qT2, qk, input_precision=PRECISION)
         else:
-            qT = _load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
+            qT = load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
             qk = tl.dot(k, qT, input_precision=PRECISION)
         s2T, tT = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
         if POSITIONAL:
@@ -516,7 +384,7 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base,
             delta = tl.load(delta_base + rows)
         # Rows that saw no key have m2 = +inf, inv_l = 0: p = 0.
         pT = tl.exp2(s2T - m2[None, :]) * inv_l[None, :]
-        do = _load_2d(do_base + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, POSITIONAL, CHECK_D)
+        do = load_2d(do_base + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, POSITIONAL, CHECK_D)
         q = tl.trans(qT)
         if ROPE:
             q2 = tl.trans(qT2)
@@ -572,17 +440,27 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
     n_ok = offs_n < Sk
     d_ok = offs_d < HEAD_DIM
 
-    k, k2, offs_h, h_ok, theta = _load_own(K + b * skb + hk * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps,
-                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
-                                           ROPE_INTERLEAVED, True)
+    k, k2, offs_h, h_ok, theta = load_own(K + b * skb + hk * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps,
+                                          THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
+                                          ROPE_INTERLEAVED, True)
     qp_base = QPOS
     if ROPE:
         qp_base = QPOS + b * sqpb
-    v = _load_2d(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True, CHECK_D)
+    v = load_2d(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True, CHECK_D)
     ks = 0
     if HAS_SEGMENTS:
         ks = tl.load(KSEG + b * sksb + offs_n * skss, mask=n_ok, other=0)[:, None]
     qs_base = QSEG + b * sqsb
+    kT = k  # placeholders unless _FWD_SCORES
+    kT2 = k2
+    if _FWD_SCORES:  # the key tile as _fwd_inner loads it
+        if ROPE:
+            kT, kT2 = load_rotated(K + b * skb + hk * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps, theta,
+                                   offs_h, h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, True)
+        else:
+            kT = load_2d(K + b * skb + hk * skh + offs_d[:, None] * skd + offs_n[None, :] * sks, d_ok, n_ok,
+                         CHECK_D, True)
+            kT2 = kT
 
     if ROPE:
         dk = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
@@ -599,26 +477,26 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         m2_base = M2 + (b * Hq + h) * Sq
         inv_l_base = INV_L + (b * Hq + h) * Sq
         delta_base = DELTA + (b * Hq + h) * Sq
-        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base,
-                                  qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d,
-                                  offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, b_lo, f_lo,
-                                  BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
+        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
+                                  delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
+                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, b_lo,
+                                  f_lo, BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
                                   HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
-        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base,
-                                  qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d,
-                                  offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, f_lo, f_hi,
-                                  BLOCK_M, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
+        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
+                                  delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
+                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, f_lo,
+                                  f_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
                                   HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
-        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base,
-                                  qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d,
-                                  offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi, b_hi,
-                                  BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
+        dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
+                                  delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
+                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi,
+                                  b_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
                                   HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
 
     if ROPE:
         # ds/dk' = scale * q' (the softcap factor is already in ds); dk = R^T dk'
-        _store_unrotated(DK + b * sdkb + hk * sdkh, offs_n, n_ok, sdks, sdkd, dk * sm_scale, dk2 * sm_scale,
-                         KPOS + b * skpb, skps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
+        store_unrotated(DK + b * sdkb + hk * sdkh, offs_n, n_ok, sdks, sdkd, dk * sm_scale, dk2 * sm_scale,
+                        KPOS + b * skpb, skps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
         tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :] * sdvd,
                  dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
     else:
@@ -646,11 +524,11 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < Sk
         if ROPE:
-            kT, kT2 = _load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
-                                    POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True)
+            kT, kT2 = load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
+                                   POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True)
         else:
-            kT = _load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
-        vT = _load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, POSITIONAL)
+            kT = load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
+        vT = load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, POSITIONAL)
         qk = tl.dot(q, kT, input_precision=PRECISION)
         if ROPE:
             qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
@@ -703,14 +581,14 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
 
-    q, q2, offs_h, h_ok, theta = _load_own(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
-                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
-                                           ROPE_INTERLEAVED)
+    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
+                                          THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
+                                          ROPE_INTERLEAVED)
     kp_base = KPOS
     if ROPE:
         kp_base = KPOS + b * skpb
-    do = _load_2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
-                  CHECK_D)
+    do = load_2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
+                 CHECK_D)
     row = (b * Hq + h) * Sq + offs_m
     m2 = tl.load(M2 + row, mask=m_ok, other=float("inf"))  # empty rows: m2 = +inf, inv_l = 0: p = 0
     inv_l = tl.load(INV_L + row, mask=m_ok, other=0.0)
@@ -742,8 +620,8 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
                         score_mul, cap_mul, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
                         HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
     if ROPE:
-        _store_unrotated(DQ + b * sdqb + h * sdqh, offs_m, m_ok, sdqs, sdqd, dq * sm_scale, dq2 * sm_scale,
-                         QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
+        store_unrotated(DQ + b * sdqb + h * sdqh, offs_m, m_ok, sdqs, sdqd, dq * sm_scale, dq2 * sm_scale,
+                        QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
     else:
         dq = dq * sm_scale
         tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :] * sdqd,
@@ -753,13 +631,6 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
 # ----------------------------------------------------------------------------------------------
 # Launch wrappers
 # ----------------------------------------------------------------------------------------------
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot input precision: follow torch's TF32 switch for fp32 (ieee unless allowed)."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
-
-
 def _score_constants(scale: float, softcap: float | None) -> tuple[float, float]:
     if softcap is None:
         return scale * LOG2E, 1.0
@@ -774,39 +645,9 @@ def _segment_args(q_ids, kv_ids, q):
     return q_ids, kv_ids, (q_ids.stride(0), q_ids.stride(1), kv_ids.stride(0), kv_ids.stride(1))
 
 
-_THETA_CACHE: dict = {}
-
-
-def _theta_table(head_dim: int, base: float, device) -> torch.Tensor:
-    """The fp32 inverse frequencies [D/2], computed exactly as the eager reference does."""
-    key = (head_dim, float(base), str(device))
-    theta = _THETA_CACHE.get(key)
-    if theta is None:
-        from .rope import inverse_frequencies
-
-        theta = inverse_frequencies(head_dim, base, torch.float32, device).contiguous()
-        _THETA_CACHE[key] = theta
-    return theta
-
-
-def _rope_args(rope, q_pos, kv_pos, q):
-    """(THETA, QPOS, KPOS), their strides and the RoPE constexprs; q stands in (never read) without rope."""
-    if rope is None:
-        return (q, q, q), (0, 0, 0, 0), dict(BLOCK_H=16, ROPE=False, ROPE_INTERLEAVED=False)
-    D = q.shape[3]
-    theta = _theta_table(D, rope.base, q.device)
-    block_h = max(16, triton.next_power_of_2(D // 2))
-    return ((theta, q_pos, kv_pos), (q_pos.stride(0), q_pos.stride(1), kv_pos.stride(0), kv_pos.stride(1)),
-            dict(BLOCK_H=block_h, ROPE=True, ROPE_INTERLEAVED=rope.style == "interleaved"))
-
-
 def _flags(causal, window, q_ids, softcap):
     return dict(IS_CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_SEGMENTS=q_ids is not None,
                 HAS_SOFTCAP=softcap is not None)
-
-
-def _device_ctx(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
@@ -816,7 +657,7 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     lse [B, Hq, Sq] fp32 natural log (-inf for rows with no visible key); stats = (m2, inv_l), each
     [B, Hq, Sq] fp32, is what `backward` needs. rope: a `torch_ref.Rope` or None; with it, q_pos
     [B, Sq] and kv_pos [B, Sk] are the integer positions (q and k are rotated inside the kernel).
-    Inputs are assumed validated (see torch_ref.flash).
+    Inputs are assumed validated (see torch_ref.ops.common.validation).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -826,17 +667,17 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     if out.numel() == 0:
         return out, lse.fill_(float("-inf")), (m2.fill_(float("inf")), inv_l.zero_())
     qseg, kseg, seg_strides = _segment_args(q_ids, kv_ids, q)
-    rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q_pos, kv_pos, q)
+    rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     grid = (triton.cdiv(Sq, cfg.block_m), Hq, B)
-    with _device_ctx(q):
+    with device_ctx(q):
         _fwd_kernel[grid](
             q, k, v, out, lse, m2, inv_l, qseg, kseg, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
             Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, left, right,
             HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-            PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PRECISION=precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_flags(causal, window, q_ids, softcap), **rope_flags)
     return out, lse, (m2, inv_l)
 
@@ -864,13 +705,13 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
         delta = delta - dlse.float()
     delta = delta.contiguous()
     qseg, kseg, seg_strides = _segment_args(q_ids, kv_ids, q)
-    rope_ptrs, rope_strides, rope_flags = _rope_args(rope, q_pos, kv_pos, q)
+    rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
-    common = dict(HEAD_DIM=D, BLOCK_D=cfg.block_d, PRECISION=_precision(q.dtype), num_warps=cfg.bwd_num_warps,
+    common = dict(HEAD_DIM=D, BLOCK_D=cfg.block_d, PRECISION=precision(q.dtype), num_warps=cfg.bwd_num_warps,
                   num_stages=cfg.bwd_num_stages, **_flags(causal, window, q_ids, softcap), **rope_flags)
     scalars = (Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, scale, left, right)
-    with _device_ctx(q):
+    with device_ctx(q):
         _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.dkdv_block_n), Hkv, B)](
             q, k, v, do, *stats, delta, dk, dv, qseg, kseg, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
@@ -882,4 +723,30 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     return dq, dk, dv
 
 
-__all__ = ["FlashConfig", "default_config", "forward", "backward", "INTERPRETED", "MAX_HEAD_DIM"]
+# ----------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------
+class FlashAttentionFn(torch.autograd.Function):
+    """Triton forward + backward. Outputs (out, lse); both are differentiable: a cotangent on lse
+    enters the backward as delta_i -= dlse_i (d lse_i / d s_ij = P_ij)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos):
+        out, lse, stats = forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
+                                  window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+        ctx.save_for_backward(q, k, v, out, *stats, q_ids, kv_ids, q_pos, kv_pos)
+        ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, m2, inv_l, q_ids, kv_ids, q_pos, kv_pos = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = backward(dout, q, k, v, out, (m2, inv_l), q_ids=q_ids, kv_ids=kv_ids, dlse=dlse,
+                              q_pos=q_pos, kv_pos=kv_pos, **ctx.opts)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+__all__ = ["FlashConfig", "default_config", "forward", "backward", "FlashAttentionFn", "INTERPRETED",
+           "MAX_HEAD_DIM"]

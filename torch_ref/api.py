@@ -1,0 +1,149 @@
+"""Public entry points of torch_ref: validate the arguments, pick the implementation
+(`torch_ref.registry`), run the variant's eager reference or its Triton autograd Function.
+
+  softmax attention:         `flash_attention`, `flash_attention_reference`
+                             (torch_ref.ops.softmax: reference.py, triton.py)
+  stick-breaking ("ExpoSB"): `stick_breaking_attention`, `stick_breaking_reference`
+                             (torch_ref.ops.stick_breaking: reference.py, triton.py)
+
+Triton is imported lazily (only when the Triton path runs), so the choice of interpreter
+(`TRITON_INTERPRET=1`) can still be made after `import torch_ref`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ops.common.validation import segment_pair_for_kernel, validate, validate_rope, validate_stick_breaking
+from .ops.softmax import reference as softmax_ref
+from .ops.stick_breaking import reference as stick_breaking_ref
+from .registry import resolve_implementation, triton_module
+
+__all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_attention", "stick_breaking_reference"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Softmax attention
+# ----------------------------------------------------------------------------------------------
+def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
+                    rope=None, positions=None, return_lse=False, implementation=None):
+    """Scaled dot-product attention, FlashAttention-style.
+
+    Args:
+      q: `[B, Sq, Hq, D]`; k, v: `[B, Sk, Hkv, D]` with Hq % Hkv == 0 (query head h reads kv head
+        h // (Hq // Hkv): GQA / MQA). D in 1..256, any Sq, Sk. dtype float16, bfloat16 or float32
+        (float64 with implementation="eager" only); output in the input dtype.
+      causal: query i sees key j only if j <= i (top-left aligned, also when Sq != Sk).
+      scale: score multiplier, default D ** -0.5. Scores are s_ij = scale * q_i . k_j.
+      segment_ids: one integer tensor `[B, S]` (self-attention, Sq == Sk) or a pair
+        (q_ids `[B, Sq]`, kv_ids `[B, Sk]`); i sees j only where the ids are equal.
+      window: (left, right) non-negative ints; i sees j only if i - left <= j <= i + right.
+      softcap: c > 0 applies s = c * tanh(s / c) before masking.
+      rope: a `torch_ref.Rope` (rotary position embedding: q and k, not v, are rotated by their
+        positions before the scores; see torch_ref.ops.common.rope) or None. Needs an even D. The
+        Triton kernels rotate q and k tiles after loading them (no extra pass over memory),
+        forward and backward (the gradients are rotated back).
+      positions: with rope only. None: q at arange(Sq), k at arange(Sk); one integer tensor
+        `[B, S]` (Sq == Sk; the same positions for q and k, e.g. restarting at 0 in each packed
+        sequence); or a pair (q_pos `[B, Sq]`, kv_pos `[B, Sk]`).
+      return_lse: also return lse `[B, Hq, Sq]`, lse_i = log sum_{visible j} exp(s_ij) (natural log;
+        float32, float64 for float64 eager). A row with no visible key gets out 0, lse -inf and
+        zero gradients.
+      implementation: None, "triton" or "eager".
+        - "eager": plain PyTorch (materialised scores), differentiable by autograd.
+        - "triton": the Triton kernels in a torch.autograd.Function, gradients for q, k, v
+          (lse is differentiable as well).
+        - None: "triton" when q is on CUDA or the Triton interpreter is active
+          (os.environ["TRITON_INTERPRET"] == "1"), else "eager".
+        Anything else raises (ValueError and NotImplementedError); "triton" raises
+        NotImplementedError when it cannot serve the call (float64, or a CPU tensor without the
+        interpreter). There is no silent fallback.
+
+    Precision: softmax statistics in float32. On the GPU, float32 inputs use IEEE fp32 dots unless
+    torch.backends.cuda.matmul.allow_tf32 is True, then TF32.
+
+    Returns: out `[B, Sq, Hq, D]`, or (out, lse) when return_lse.
+    """
+    impl = resolve_implementation(q, implementation) if isinstance(q, torch.Tensor) else None
+    scale, q_ids, kv_ids, window, softcap = validate(q, k, v, causal, scale, segment_ids, window, softcap)
+    q_pos, kv_pos = validate_rope(q, k, rope, positions)
+    if impl is None:  # unreachable: validate rejects non-tensors
+        raise TypeError("q must be a torch.Tensor")
+    if impl == "eager":
+        out, lse = softmax_ref.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
+                                         window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+    else:
+        kernels = triton_module(q, "softmax")
+        q_ids, kv_ids = segment_pair_for_kernel(q_ids, kv_ids)
+        q_pos, kv_pos = segment_pair_for_kernel(q_pos, kv_pos)
+        out, lse = kernels.FlashAttentionFn.apply(q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope,
+                                                  q_pos, kv_pos)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_reference(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
+                              rope=None, positions=None):
+    """The eager reference with the same arguments as `flash_attention`; returns (out, lse).
+
+    Works in float64 too (the golden; with rope the rotation then runs in float64). Differentiable
+    by autograd.
+    """
+    scale, q_ids, kv_ids, window, softcap = validate(q, k, v, causal, scale, segment_ids, window, softcap)
+    q_pos, kv_pos = validate_rope(q, k, rope, positions)
+    return softmax_ref.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
+                                 softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stick-breaking attention (ExpoSB)
+# ----------------------------------------------------------------------------------------------
+def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, rope=None, positions=None, return_remainder=False,
+                             implementation=None):
+    """Stick-breaking attention (ExpoSB), strictly causal: token i attends to keys j < i.
+
+    Args:
+      q: `[B, S, Hq, D]`; k, v: `[B, S, Hkv, D]` (the same S), Hq % Hkv == 0 (query head h reads kv
+        head h // (Hq // Hkv): GQA / MQA). D in 1..256, any S. dtype float16, bfloat16 or float32
+        (float64 with implementation="eager" only); output in the input dtype.
+      scale: logit multiplier, default D ** -0.5.
+      decay: lambda >= 0 of the distance penalty -lambda * (i - j): a float, a 0-d tensor or a
+        tensor `[Hq]` (per head), finite and >= 0 (checked). A tensor may require grad: it gets
+        its gradient with its own shape and dtype. The distance is the token index difference
+        i - j, whatever the RoPE positions.
+      rope: a `torch_ref.Rope` or None: q and k (not v) are rotated by their positions before the
+        scores (inside the kernels after load; the backward rotates dq, dk back). Needs an even D.
+      positions: with rope only. None: arange(S) in every batch row; one integer tensor `[B, S]`
+        (the same positions for q and k); or a pair (q_pos, kv_pos) of `[B, S]` tensors.
+      return_remainder: also return rem `[B, Hq, S]` float32 (float64 for float64 eager), the
+        unspent stick 1 - sum_j A_ij = exp(-sum_{j<i} softplus(z_ij)); differentiable.
+      implementation: None, "triton" or "eager", with the rule of `torch_ref.flash_attention`:
+        None picks "triton" when q is on CUDA or the Triton interpreter is active, else "eager";
+        "triton" raises NotImplementedError when it cannot serve the call (float64, CPU tensor
+        without the interpreter); anything else raises (ValueError and NotImplementedError).
+
+    Row 0 has no key: out 0, rem 1, zero gradients. Log-space math in float32; on the GPU
+    float32 inputs use IEEE fp32 dots unless torch.backends.cuda.matmul.allow_tf32 is True.
+
+    Returns: out `[B, S, Hq, D]`, or (out, rem) when return_remainder.
+    """
+    impl = resolve_implementation(q, implementation) if isinstance(q, torch.Tensor) else None
+    scale, decay, q_pos, kv_pos = validate_stick_breaking(q, k, v, scale, decay, rope, positions)
+    if impl == "eager":
+        out, rem = stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos,
+                                                kv_pos=kv_pos)
+    else:
+        kernels = triton_module(q, "stick_breaking")
+        q_pos, kv_pos = segment_pair_for_kernel(q_pos, kv_pos)
+        decay_t = decay if isinstance(decay, torch.Tensor) else None
+        decay_value = 0.0 if decay_t is not None else decay
+        out, rem = kernels.StickBreakingFn.apply(q, k, v, decay_t, decay_value, scale, rope, q_pos, kv_pos)
+    return (out, rem) if return_remainder else out
+
+
+def stick_breaking_reference(q, k, v, *, scale=None, decay=0.0, rope=None, positions=None):
+    """The eager reference with the arguments of `stick_breaking_attention` (less
+    return_remainder and implementation); returns (out, rem).
+
+    Works in float64 too (the golden). Differentiable by autograd, decay tensors included.
+    """
+    scale, decay, q_pos, kv_pos = validate_stick_breaking(q, k, v, scale, decay, rope, positions)
+    return stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
