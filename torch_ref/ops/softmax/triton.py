@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton_tiles import (INTERPRETED, device_ctx, load_2d, load_own, load_rotated, precision, rope_args,
-                                   store_unrotated)
+from ..common.triton_tiles import (INTERPRETED, block_d, check_launch_fields, device_ctx, load_2d, load_own, load_rotated,
+                                   precision, rope_args, store_unrotated)
 from ..common.validation import MAX_HEAD_DIM
 
 LOG2E = 1.4426950408889634
@@ -56,29 +56,33 @@ _FWD_SCORES = tl.constexpr(INTERPRETED)
 # Block configuration
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class FlashConfig:
-    """Tile sizes and launch parameters of the three kernels.
+class BlockSizes:
+    """Tile sizes and launch parameters of the three kernels (the fields of jax_attn's `BlockSizes`).
 
-    fwd:  program = BLOCK_M query rows, loops over key tiles of BLOCK_N.
-    dkdv: program = dkdv_block_n key rows, loops over query tiles of dkdv_block_m (all GQA heads).
-    dq:   program = dq_block_m query rows, loops over key tiles of dq_block_n.
-    block_d is the head dim rounded up to a power of two (>= 16, the tl.dot minimum).
+    forward: program = block_q query rows, loops over key tiles of block_k (num_warps, num_stages).
+    dK/dV:   program = block_k_dkv key rows, loops over query tiles of block_q_dkv (all GQA heads).
+    dQ:      program = block_q_dq query rows, loops over key tiles of block_k_dq.
+    The two backward kernels launch with num_warps_bwd, num_stages_bwd. Tiles: powers of two >= 16
+    (any combination works). The head dim tile is not a field: it is the head dim rounded up to a
+    power of two (`block_d`).
     """
 
-    block_d: int
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    dkdv_block_m: int
-    dkdv_block_n: int
-    dq_block_m: int
-    dq_block_n: int
-    bwd_num_warps: int
-    bwd_num_stages: int
+    block_q: int = 128
+    block_k: int = 64
+    block_q_dkv: int = 64
+    block_k_dkv: int = 128
+    block_q_dq: int = 128
+    block_k_dq: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 2
+
+    def __post_init__(self):
+        check_launch_fields(self)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> FlashConfig:
+def default_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> BlockSizes:
     """Heuristic on head dim and element size.
 
     GPU tiles (sized for Hopper, H100/H200: up to 227 KB of shared memory) shrink as the head dim
@@ -86,23 +90,26 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> FlashConf
     K/V or Q/dO tiles) grow.
     The interpreter gets small tiles so CPU tests stay fast while still exercising ragged edges.
     """
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    padded = block_d(head_dim)
     if not on_gpu:
-        return FlashConfig(block_d, 16, 32, 4, 1, 16, 32, 16, 32, 4, 1)
+        return BlockSizes(block_q=16, block_k=32, num_warps=4, num_stages=1, block_q_dkv=16, block_k_dkv=32,
+                          block_q_dq=16, block_k_dq=32, num_warps_bwd=4, num_stages_bwd=1)
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
-    # (BLOCK_M, BLOCK_N, warps, stages), (dkdv_m, dkdv_n, dq_m, dq_n, warps, stages). The 16-bit
+    # (block_q, block_k, warps, stages), (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, warps, stages). The 16-bit
     # choices are the fastest of a small sweep on an H200 (bf16, B*H = 64, S = 4096, causal and
     # not); fp32 ones are sized to fit shared memory and were checked to compile and pass there.
-    if block_d <= 64:
+    if padded <= 64:
         fwd = (128, 64, 4, 3) if not wide else (64, 64, 4, 2)
         bwd = (32, 128, 128, 32, 4, 3) if not wide else (32, 64, 64, 32, 4, 2)
-    elif block_d <= 128:
+    elif padded <= 128:
         fwd = (64, 64, 4, 3) if not wide else (64, 32, 4, 2)
         bwd = (32, 64, 64, 32, 4, 3) if not wide else (16, 64, 64, 16, 4, 2)
     else:  # 256
         fwd = (128, 64, 8, 2) if not wide else (32, 32, 4, 1)
         bwd = (32, 64, 64, 32, 8, 2) if not wide else (16, 32, 32, 16, 4, 1)
-    return FlashConfig(block_d, *fwd, *bwd)
+    fields = ("block_q", "block_k", "num_warps", "num_stages", "block_q_dkv", "block_k_dkv", "block_q_dq",
+              "block_k_dq", "num_warps_bwd", "num_stages_bwd")
+    return BlockSizes(**dict(zip(fields, (*fwd, *bwd))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -651,7 +658,7 @@ def _flags(causal, window, q_ids, softcap):
 
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
-            rope=None, q_pos=None, kv_pos=None, config: FlashConfig | None = None):
+            rope=None, q_pos=None, kv_pos=None, config: BlockSizes | None = None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse, stats).
 
     lse [B, Hq, Sq] fp32 natural log (-inf for rows with no visible key); stats = (m2, inv_l), each
@@ -661,7 +668,7 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    cfg = config or default_config(D, q.dtype, q.is_cuda and not INTERPRETED)
+    cfg = config or default_block_sizes(D, q.dtype, q.is_cuda and not INTERPRETED)
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse, m2, inv_l = (torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) for _ in range(3))
     if out.numel() == 0:
@@ -670,20 +677,20 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
-    grid = (triton.cdiv(Sq, cfg.block_m), Hq, B)
+    grid = (triton.cdiv(Sq, cfg.block_q), Hq, B)
     with device_ctx(q):
         _fwd_kernel[grid](
             q, k, v, out, lse, m2, inv_l, qseg, kseg, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
             Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, left, right,
-            HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+            HEAD_DIM=D, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, BLOCK_D=block_d(D),
             PRECISION=precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_flags(causal, window, q_ids, softcap), **rope_flags)
     return out, lse, (m2, inv_l)
 
 
 def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None,
-             softcap=None, rope=None, q_pos=None, kv_pos=None, dlse=None, config: FlashConfig | None = None):
+             softcap=None, rope=None, q_pos=None, kv_pos=None, dlse=None, config: BlockSizes | None = None):
     """Gradients (dq, dk, dv) shaped like q, k, v, from dO [B, Sq, Hq, D], the forward's `out`
     and `stats`, and optionally the cotangent of the natural lse `dlse [B, Hq, Sq]`.
 
@@ -693,7 +700,7 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
-    cfg = config or default_config(D, q.dtype, q.is_cuda and not INTERPRETED)
+    cfg = config or default_block_sizes(D, q.dtype, q.is_cuda and not INTERPRETED)
     dq = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     dk = torch.zeros((B, Sk, Hkv, D), dtype=k.dtype, device=k.device)
     dv = torch.zeros((B, Sk, Hkv, D), dtype=v.dtype, device=v.device)
@@ -708,18 +715,18 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
-    common = dict(HEAD_DIM=D, BLOCK_D=cfg.block_d, PRECISION=precision(q.dtype), num_warps=cfg.bwd_num_warps,
-                  num_stages=cfg.bwd_num_stages, **_flags(causal, window, q_ids, softcap), **rope_flags)
+    common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), PRECISION=precision(q.dtype), num_warps=cfg.num_warps_bwd,
+                  num_stages=cfg.num_stages_bwd, **_flags(causal, window, q_ids, softcap), **rope_flags)
     scalars = (Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, scale, left, right)
     with device_ctx(q):
-        _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.dkdv_block_n), Hkv, B)](
+        _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_k_dkv), Hkv, B)](
             q, k, v, do, *stats, delta, dk, dv, qseg, kseg, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
-            *rope_strides, *scalars, BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, **common)
-        _bwd_dq_kernel[(triton.cdiv(Sq, cfg.dq_block_m), Hq, B)](
+            *rope_strides, *scalars, BLOCK_M=cfg.block_q_dkv, BLOCK_N=cfg.block_k_dkv, **common)
+        _bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_q_dq), Hq, B)](
             q, k, v, do, *stats, delta, dq, qseg, kseg, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *seg_strides,
-            *rope_strides, *scalars, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, **common)
+            *rope_strides, *scalars, BLOCK_M=cfg.block_q_dq, BLOCK_N=cfg.block_k_dq, **common)
     return dq, dk, dv
 
 
@@ -731,11 +738,12 @@ class FlashAttentionFn(torch.autograd.Function):
     enters the backward as delta_i -= dlse_i (d lse_i / d s_ij = P_ij)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos):
+    def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos, config=None):
         out, lse, stats = forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
-                                  window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+                                  window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
+                                  config=config)
         ctx.save_for_backward(q, k, v, out, *stats, q_ids, kv_ids, q_pos, kv_pos)
-        ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope)
+        ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, config=config)
         return out, lse
 
     @staticmethod
@@ -745,8 +753,8 @@ class FlashAttentionFn(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dq, dk, dv = backward(dout, q, k, v, out, (m2, inv_l), q_ids=q_ids, kv_ids=kv_ids, dlse=dlse,
                               q_pos=q_pos, kv_pos=kv_pos, **ctx.opts)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
-__all__ = ["FlashConfig", "default_config", "forward", "backward", "FlashAttentionFn", "INTERPRETED",
+__all__ = ["BlockSizes", "default_block_sizes", "block_d", "forward", "backward", "FlashAttentionFn", "INTERPRETED",
            "MAX_HEAD_DIM"]
