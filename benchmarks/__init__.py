@@ -1,1 +1,1 @@
-"""Benchmarks for the attention kernels (GPU only; see benchmarks/attention.py)."""
+"""Attention benchmarks (GPU; `--smoke` on a CPU): harness.py, one script per variant, run_all.py."""

@@ -1,28 +1,27 @@
 #!/usr/bin/env python3
-"""Block-size sweep of the softmax engine (GPU): which `BlockSizes` is fastest per head dim.
+"""Tile sweep of the Pallas Triton softmax engine: which `BlockSizes` is fastest per head dim.
 
-Run from the repository root: `PYTHONPATH=. python3 benchmarks/sweep_blocks.py --out benchmarks/results`.
+Run on the GPU machine from the repository root:
 
-For one bf16 shape per head dim (default 2x8192x16x128 and 16x1024x16x64), causal and not, it
-times the forward over a grid of forward tiles (block_q, block_k, warps, stages) and then
-forward+backward over a grid of backward tiles (the forward fixed at the default), and reports
-each candidate's ms and TF/s and the best, next to the current `default_block_sizes`. The
-figures are what `default_block_sizes` is chosen from (METHOD.md: measure, then pick).
+    PYTHONPATH=. python3 benchmarks/sweep_blocks.py --out benchmarks/results [--quick] [--rope [--positions]]
+
+For each case (bf16, 2x8192x16x128 and 16x1024x16x64, causal and not; --quick: 2x8192x16x128
+causal) it times the forward over a grid of forward tiles (block_q, block_k, warps, stages), then
+forward+backward over a grid of backward tiles with the forward at `default_block_sizes`, and
+reports each candidate beside the default. `default_block_sizes` is chosen from these figures.
+Calls `jax_attn.ops.softmax.triton.flash_attention_pallas` directly (the tiles are not public).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import os
+import sys
 
-from benchmarks.attention import _make_fwdbwd, device_info, flops, log, save_run, time_jax
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness  # noqa: E402  (before jax: allocator and platform settings)
+from benchmarks.harness import Case, Column  # noqa: E402
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-from jax_attn.api import _fp32_precision  # noqa: E402
-from jax_attn.ops.softmax.triton import default_block_sizes, flash_attention_pallas  # noqa: E402
-from jax_attn.ops.common.rope import Rope  # noqa: E402
-from jax_attn.ops.common.spec import AttentionSpec  # noqa: E402
 
 FWD_GRID = [  # block_q, block_k, num_warps, num_stages
     (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
@@ -32,74 +31,88 @@ BWD_GRID = [  # block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, num_warps_bwd,
     (64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 8, 2), (32, 64, 64, 32, 4, 3),
     (32, 64, 64, 32, 4, 2), (64, 64, 128, 64, 8, 2), (64, 128, 128, 64, 8, 2),
 ]
-
-
 ROPE_FWD_GRID = [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
                  (64, 64, 4, 2)]
 ROPE_BWD_GRID = [(64, 64, 64, 64, 4, 2), (64, 64, 64, 64, 4, 3), (32, 64, 64, 32, 4, 2), (32, 32, 32, 32, 4, 2),
                  (64, 64, 64, 64, 8, 2), (64, 128, 128, 64, 8, 2)]
+SMOKE_FWD_GRID = [(32, 32, 4, 2), (64, 32, 4, 2)]
+SMOKE_BWD_GRID = [(32, 32, 32, 32, 4, 2)]
 
 
-def run(B, S, H, D, causal, blocks, mode, args):
-    rope = Rope(style="half") if args.rope else None
-    spec = AttentionSpec(scale=D ** -0.5, causal=causal, precision=_fp32_precision(jnp.bfloat16), rope=rope)
-    # positions arange (None) take the angle-addition path; --positions passes them as an array
-    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)) if rope and args.positions else None
-    f = lambda q, k, v: flash_attention_pallas(q, k, v, None, None, spec, q_pos=pos, kv_pos=pos, blocks=blocks,
-                                               interpret=False)[0]
-    keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, do = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in keys)
-    g = jax.jit(f) if mode == "fwd" else jax.jit(_make_fwdbwd(f))
-    ms, _, first = time_jax(g, (q, k, v) if mode == "fwd" else (q, k, v, do), args.target_ms, args.repeats)
-    return ms, flops(B, S, H, D, causal, mode) / (ms * 1e-3) / 1e12, first
+def cases(opts):
+    if opts.smoke:
+        return [Case("sweep", 1, 128, 2, 64, causal=True)]
+    full = [Case("sweep", B, S, H, D, causal=c) for B, S, H, D in ((2, 8192, 16, 128), (16, 1024, 16, 64))
+            for c in (False, True)]
+    return full[1:2] if opts.quick else full
+
+
+def default_blocks(case, opts):
+    import jax_attn
+    return jax_attn.default_block_sizes(case.D, opts.smoke, opts.dtype, rope=opts.rope, rope_positions=opts.positions)
+
+
+def candidate(kind: str, cfg: tuple):
+    """A column running the engine with `cfg` applied over the default tiles of the case."""
+    def blocks_for(case, opts):
+        d = default_blocks(case, opts)
+        if kind == "fwd":
+            a, b, w, s = cfg
+            return dataclasses.replace(d, block_q=a, block_k=b, num_warps=w, num_stages=s)
+        a, b, c, e, w, s = cfg
+        return dataclasses.replace(d, block_q_dkv=a, block_k_dkv=b, block_q_dq=c, block_k_dq=e,
+                                   num_warps_bwd=w, num_stages_bwd=s)
+
+    def build(case, opts):
+        import jax_attn
+        from jax_attn.ops.softmax.triton import flash_attention_pallas
+        rope = jax_attn.Rope(style="half") if opts.rope else None
+        spec = jax_attn.AttentionSpec(scale=case.D ** -0.5, causal=case.causal, rope=rope)
+        pos = (jnp.broadcast_to(jnp.arange(case.S, dtype=jnp.int32), (case.B, case.S))
+               if rope is not None and opts.positions else None)
+        blocks = blocks_for(case, opts)
+        return lambda q, k, v: flash_attention_pallas(q, k, v, None, None, spec, q_pos=pos, kv_pos=pos,
+                                                      blocks=blocks)[0]
+
+    def note(case, opts):
+        b = blocks_for(case, opts)
+        return f"{'default; ' if b == default_blocks(case, opts) else ''}{b}"
+
+    return Column(f"{kind}{'x'.join(map(str, cfg))}", build, modes=(kind,), compare=False, note=note,
+                  params={"grid": kind, "config": list(cfg)})
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--shapes", default="2,8192,16,128;16,1024,16,64", help="B,S,H,D;...")
-    parser.add_argument("--modes", default="fwd,fwdbwd")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--target-ms", type=float, default=20.0)
-    parser.add_argument("--rope", action="store_true", help="fused RoPE (style half) with its own grids")
-    parser.add_argument("--positions", action="store_true",
-                        help="with --rope: pass positions as an array (the general cos/sin table path)")
-    parser.add_argument("--causal", default="0,1", help="which causal settings (0, 1)")
-    args = parser.parse_args(argv)
-    name, kind, _ = device_info(False)
-    rows = []
-    for shape in args.shapes.split(";"):
-        B, S, H, D = (int(x) for x in shape.split(","))
-        default = default_block_sizes(D, False, jnp.bfloat16, rope=args.rope, rope_positions=args.positions)
-        fwd_grid, bwd_grid = (ROPE_FWD_GRID, ROPE_BWD_GRID) if args.rope else (FWD_GRID, BWD_GRID)
-        for causal in (c == "1" for c in args.causal.split(",")):
-            grids = {"fwd": [dataclasses.replace(default, block_q=a, block_k=b, num_warps=w, num_stages=s)
-                             for a, b, w, s in fwd_grid],
-                     "fwdbwd": [dataclasses.replace(default, block_q_dkv=a, block_k_dkv=b, block_q_dq=c,
-                                                    block_k_dq=d, num_warps_bwd=w, num_stages_bwd=s)
-                                for a, b, c, d, w, s in bwd_grid]}
-            for mode in args.modes.split(","):
-                for blocks in grids[mode]:
-                    row = dict(shape=[B, S, H, D], causal=causal, mode=mode, blocks=dataclasses.asdict(blocks),
-                               is_default=blocks == default)
-                    try:
-                        row["ms"], row["tflops"], row["first_s"] = run(B, S, H, D, causal, blocks, mode, args)
-                        log(f"D={D} causal={causal:d} {mode:6s} {row['ms']:8.3f} ms {row['tflops']:6.1f} TF/s "
-                            f"{'(default) ' if row['is_default'] else ''}{blocks}")
-                    except Exception as e:  # recorded, the sweep goes on
-                        row["error"] = f"{type(e).__name__}: {e}"[:300]
-                        log(f"D={D} causal={causal:d} {mode:6s} error {row['error'][:100]} {blocks}")
-                    rows.append(row)
-                ok = [r for r in rows if r["shape"] == [B, S, H, D] and r["causal"] == causal
-                      and r["mode"] == mode and "ms" in r]
-                if ok:
-                    best = min(ok, key=lambda r: r["ms"])
-                    ref = next((r for r in ok if r["is_default"]), None)
-                    gain = f"{ref['ms'] / best['ms']:.3f}x over the default" if ref else "default failed"
-                    log(f"BEST D={D} causal={causal:d} {mode}: {best['tflops']:.1f} TF/s, {gain}: {best['blocks']}")
-    save_run(args.out, f"sweep{'-rope' * args.rope}{'-positions' * args.positions}", kind, name, rows)
+    p = harness.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--rope", action="store_true", help="fused RoPE (style half) with its own grids")
+    p.add_argument("--positions", action="store_true",
+                   help="with --rope: positions passed as an array (the general cos/sin path)")
+    opts = harness.finish_options(p.parse_args(argv))
+    if opts.smoke:
+        fwd, bwd = SMOKE_FWD_GRID, SMOKE_BWD_GRID
+    else:
+        fwd, bwd = (ROPE_FWD_GRID, ROPE_BWD_GRID) if opts.rope else (FWD_GRID, BWD_GRID)
+        if opts.quick:
+            fwd, bwd = fwd[:3], bwd[:3]
+    columns = [candidate("fwd", c) for c in fwd] + [candidate("fwdbwd", c) for c in bwd]
+    columns = harness.select(columns, opts.columns, key=lambda c: c.name)
+    name = f"sweep{'-rope' if opts.rope else ''}{'-positions' if opts.positions else ''}"
+    doc, stem = harness.new_document(name, opts)
+    harness.run(name, cases(opts), columns, opts, doc=doc, path=stem + ".json")
+    best = []
+    for key in {(r["B"], r["S"], r["H"], r["D"], r["causal"], r["mode"]) for r in doc["rows"]}:
+        ok = [r for r in doc["rows"] if (r["B"], r["S"], r["H"], r["D"], r["causal"], r["mode"]) == key
+              and r["status"] == "ok"]
+        if ok:
+            r = min(ok, key=lambda r: r["ms"])
+            dflt = next((x for x in ok if (x["note"] or "").startswith("default")), None)
+            gain = f"{dflt['ms'] / r['ms']:.3f}x the default's speed" if dflt else "default not in the grid"
+            best.append(f"- {key[0]}x{key[1]}x{key[2]}x{key[3]} causal={int(key[4])} {key[5]}: "
+                        f"{r['impl']} {r['tflops']:.1f} TF/s, {gain}")
+    doc["best"] = sorted(best)
+    harness.finish(doc, stem, [c.name for c in columns], opts, extra_markdown="Best:\n" + "\n".join(sorted(best)))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,6 +1,8 @@
 """Attention variants as Pallas GPU kernels (Triton lowering; Mosaic GPU on Hopper) for JAX.
 
-Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD).
+Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD). Implementations ("triton",
+"mosaic", "xla") and the rule for implementation=None live in `jax_attn.registry`; tile configs
+(`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`) are passed as `config=`.
 """
 from jax_attn.api import flash_attention, stick_breaking_attention
 from jax_attn.device import DeviceInfo, device_info, recommended_dtype
@@ -8,17 +10,18 @@ from jax_attn.nn.layers import EncoderBlock, MultiHeadSelfAttention, attention_f
 from jax_attn.nn.positions import sinusoidal_positions
 from jax_attn.ops.common.rope import Rope, apply_rope
 from jax_attn.ops.common.spec import AttentionSpec
-from jax_attn.ops.softmax.mosaic import MosaicBlocks
+from jax_attn.ops.softmax.mosaic import MosaicBlockSizes, default_mosaic_block_sizes
 from jax_attn.ops.softmax.reference import attention_reference
 from jax_attn.ops.softmax.triton import BlockSizes, default_block_sizes
 from jax_attn.ops.stick_breaking.reference import stick_breaking_reference
-from jax_attn.ops.stick_breaking.triton import StickBreakingBlocks
-from jax_attn.registry import IMPLEMENTATIONS, default_implementation
+from jax_attn.ops.stick_breaking.triton import StickBreakingBlockSizes, default_stick_breaking_block_sizes
+from jax_attn.registry import IMPLEMENTATIONS, UnknownImplementationError, default_implementation
 
 __all__ = [
     "AttentionSpec", "BlockSizes", "DeviceInfo", "IMPLEMENTATIONS", "attention_reference",
     "default_block_sizes", "default_implementation", "device_info", "flash_attention",
-    "MosaicBlocks", "recommended_dtype", "Rope", "apply_rope",
+    "MosaicBlockSizes", "default_mosaic_block_sizes", "recommended_dtype", "Rope", "apply_rope",
     "EncoderBlock", "MultiHeadSelfAttention", "attention_fn", "make_attention_fn", "sinusoidal_positions",
-    "StickBreakingBlocks", "stick_breaking_attention", "stick_breaking_reference",
+    "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "stick_breaking_attention",
+    "stick_breaking_reference", "UnknownImplementationError",
 ]

@@ -1,10 +1,7 @@
 """The public functions: validate the call, build its spec, run the implementation the registry picks."""
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from jax_attn import registry
-from jax_attn.device import pallas_triton_unsupported_reason
 from jax_attn.ops.common import validation
 from jax_attn.ops.common.rope import Rope
 from jax_attn.ops.common.spec import AttentionSpec
@@ -13,7 +10,7 @@ from jax_attn.ops.common.spec import AttentionSpec
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                     segment_ids=None, window: tuple[int, int] | None = None,
                     softcap: float | None = None, rope: Rope | None = None, positions=None,
-                    return_lse: bool = False, implementation: str | None = None):
+                    return_lse: bool = False, implementation: str | None = None, config=None):
     """Multi-head attention, `softmax(scale * q k^T + mask) v`, FlashAttention-style.
 
     Args:
@@ -33,10 +30,18 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         default arange (per-token positions serve packed sequences).
       return_lse: also return lse [B, Hq, Sq] float32 (natural log; -inf on rows with no
         visible key). The lse output is differentiable.
-      implementation: None (see `default_implementation`), "pallas_triton", "mosaic_gpu" (Hopper
-        GPUs; 16-bit attention, causal and/or windowed, RoPE at the default positions, without
-        softcap or segments, D <= 128: warp-specialised TMA/wgmma kernels, forward and backward;
-        raises on anything else) or "xla".
+      implementation: None (the rule of `jax_attn.registry.choose`: "xla" where Pallas Triton
+        cannot run, "mosaic" where its Hopper kernels serve the call, else "triton"), "triton"
+        (the Pallas engine, Triton lowering; interpreted on CPU), "mosaic" (Hopper GPUs; 16-bit
+        attention, causal and/or windowed, RoPE at the default positions, without softcap or
+        segments, D <= 128: warp-specialised TMA/wgmma kernels, forward and backward) or "xla"
+        (plain jnp). "pallas_triton" and "mosaic_gpu" are accepted spellings of "triton" and
+        "mosaic". An implementation that cannot serve the call raises NotImplementedError saying
+        why; an unknown name raises UnknownImplementationError (ValueError, NotImplementedError).
+      config: the tile config of the chosen implementation: a `BlockSizes` for "triton", a
+        `MosaicBlockSizes` for "mosaic" (with RoPE: block_q = block_q_bwd = block_k_bwd = 64);
+        "xla" takes none. None: its default for the call (`registry.REGISTRY[...].default_config`).
+        TypeError for another type, ValueError for a config that cannot serve the call.
 
     Float32 inputs use the matmul precision JAX is configured with
     (`jax.default_matmul_precision`): "highest"/"float32" gives exact fp32 dots, anything else
@@ -59,24 +64,16 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         scale=head_dim ** -0.5 if scale is None else scale,
         causal=bool(causal), window_left=left, window_right=right, softcap=softcap,
         has_segments=q_ids is not None, precision=validation.fp32_precision(q.dtype), rope=rope)
-    if implementation is None:
-        implementation = registry.default_implementation(spec, head_dim, q.dtype, positions=q_pos is not None)
-    if implementation not in registry.SOFTMAX:
-        raise NotImplementedError(
-            f"unknown implementation={implementation!r}; choose one of {sorted(registry.SOFTMAX)} or None")
-    if q.dtype == jnp.float64 and implementation != "xla":
-        raise NotImplementedError(
-            f"float64 inputs are served by implementation='xla' only (the golden reference), "
-            f"not {implementation!r}")
-    if implementation in ("pallas_triton", "mosaic_gpu") and (reason := pallas_triton_unsupported_reason()):
-        raise NotImplementedError(f"implementation={implementation!r} cannot serve this call: {reason}")
-    out, lse = registry.SOFTMAX[implementation](q, k, v, q_ids, kv_ids, spec, q_pos=q_pos, kv_pos=kv_pos)
+    call = registry.Call(spec, head_dim, q.dtype, positions=q_pos is not None)
+    entry = registry.resolve("softmax", implementation, call)
+    config = registry.check_config(entry, config, call)
+    out, lse = entry.fn(q, k, v, q_ids, kv_ids, spec, q_pos=q_pos, kv_pos=kv_pos, config=config)
     return (out, lse) if return_lse else out
 
 
 def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, rope: Rope | None = None,
                              positions=None, return_remainder: bool = False,
-                             implementation: str | None = None):
+                             implementation: str | None = None, config=None):
     """Stick-breaking attention (ExpoSB), strictly causal: token i attends to keys j < i.
 
     Args:
@@ -89,14 +86,19 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
       rope: a `Rope`: q and k are rotated inside the kernels; positions int [B, S], default arange.
       return_remainder: also return rem [B, Hq, S] float32, the unspent stick 1 - sum_j A_ij
         (1 on row 0, which has no key; its output is 0). Differentiable.
-      implementation: None (the Pallas Triton kernels where Pallas Triton runs, else "xla"),
-        "pallas_triton", "mosaic_gpu" (Hopper, 16-bit, head dim 33 to 128, no RoPE: the forward
-        on a Mosaic GPU kernel, the backward on Pallas Triton's) or "xla" (plain jnp,
-        [B, Hq, S, S] in memory). Not "mosaic_gpu" by default even where it serves the call: its
+      implementation: None ("triton" where Pallas Triton runs, else "xla"), "triton" (the
+        Pallas kernels, Triton lowering), "mosaic" (Hopper, 16-bit, head dim 33 to 128, no RoPE:
+        the forward on a Mosaic GPU kernel, the backward on Pallas Triton's) or "xla" (plain jnp,
+        [B, Hq, S, S] in memory); "pallas_triton" and "mosaic_gpu" are accepted spellings of
+        "triton" and "mosaic". Errors as for `flash_attention`. Not "mosaic" by default even
+        where it serves the call: its
         forward walks every tile, while the Triton forward ends a row block's walk where its
         sticks are spent (H100, 2x8192x16x128 bf16, paired, inputs ~ N(0, 1): forward+backward
         1.79 against 3.23 ms; where no stick is spent 8.96 against 8.88, and the forward alone
         2.09 against 1.77).
+      config: a `StickBreakingBlockSizes` for "triton" and "mosaic" (for "mosaic" the backward's
+        tiles, with block_k = 64); "xla" takes none. None: the implementation's default for the
+        call. TypeError for another type, ValueError for a config that cannot serve the call.
 
     Returns: out [B, S, Hq, D] in q.dtype, or (out, rem).
     """
@@ -110,14 +112,8 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
     decay = validation.check_decay(decay, num_heads, q.dtype)
     spec = AttentionSpec(scale=head_dim ** -0.5 if scale is None else scale, causal=True,
                          precision=validation.fp32_precision(q.dtype), rope=rope)
-    if implementation is None:
-        implementation = registry.default_implementation()
-    if implementation not in registry.STICK_BREAKING:
-        raise NotImplementedError(
-            f"unknown implementation={implementation!r}; choose one of {sorted(registry.STICK_BREAKING)} or None")
-    if q.dtype == jnp.float64 and implementation != "xla":
-        raise NotImplementedError(f"float64 inputs are served by implementation='xla' only, not {implementation!r}")
-    if implementation in ("pallas_triton", "mosaic_gpu") and (reason := pallas_triton_unsupported_reason()):
-        raise NotImplementedError(f"implementation={implementation!r} cannot serve this call: {reason}")
-    out, rem = registry.STICK_BREAKING[implementation](q, k, v, decay, spec, pos=pos)
+    call = registry.Call(spec, head_dim, q.dtype, positions=pos is not None)
+    entry = registry.resolve("stick_breaking", implementation, call)
+    config = registry.check_config(entry, config, call)
+    out, rem = entry.fn(q, k, v, decay, spec, pos=pos, config=config)
     return (out, rem) if return_remainder else out

@@ -1,43 +1,238 @@
-"""Which implementation computes a call: name -> function, per variant, and the rule for None."""
+"""Which implementation computes a call: one entry per (variant, implementation) and the rule for None.
+
+An entry holds the function that runs the call, why it cannot serve a call (`unsupported_reason`),
+its tile config type and the default tile config for a call. `resolve(variant, implementation,
+call)` is what the public functions use: it accepts the canonical names and the documented older
+spellings, applies the rule for None (`choose`), and raises for names it does not know and for an
+implementation that cannot serve the call (no silent fallback).
+
+Implementation names (tokamax's, the same in torch_ref wherever the thing is the same):
+  "triton": the Pallas kernels with Triton lowering (compiled on NVIDIA sm80+, interpreted on CPU);
+  "mosaic": the Pallas Mosaic GPU kernels (Hopper, sm90);
+  "xla":    plain jnp (any device; float64 for golden references).
+"pallas_triton" and "mosaic_gpu" are accepted spellings of "triton" and "mosaic" (`ALIASES`).
+"""
 from __future__ import annotations
 
-import functools
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
 
 from jax_attn.device import pallas_triton_unsupported_reason
-from jax_attn.ops.common.spec import AttentionSpec
+from jax_attn.ops.common.spec import AttentionSpec, padded_head_dim
 from jax_attn.ops.softmax import mosaic as softmax_mosaic
 from jax_attn.ops.softmax import reference as softmax_reference
 from jax_attn.ops.softmax import triton as softmax_triton
+from jax_attn.ops.stick_breaking import mosaic as stick_breaking_mosaic
 from jax_attn.ops.stick_breaking import reference as stick_breaking_reference
 from jax_attn.ops.stick_breaking import triton as stick_breaking_triton
 
-# name -> fn(q, k, v, q_seg, kv_seg, spec, *, q_pos, kv_pos) -> (out, lse). Adding a backend = one entry.
-SOFTMAX: dict[str, Callable] = {
-    "pallas_triton": softmax_triton.flash_attention_pallas,
-    # the Hopper kernels (`ops/softmax/mosaic.py`), wired through the engine's padding and custom_vjp
-    "mosaic_gpu": functools.partial(softmax_triton.flash_attention_pallas, kernels="mosaic_gpu"),
-    "xla": softmax_reference.attention_reference,
-}
+IMPLEMENTATIONS = ("triton", "mosaic", "xla")  # canonical names
+ALIASES = {"pallas_triton": "triton", "mosaic_gpu": "mosaic"}  # accepted older spellings -> canonical
+VARIANTS = ("softmax", "stick_breaking")
 
-# name -> fn(q, k, v, decay, spec, *, pos) -> (out, rem).
-STICK_BREAKING: dict[str, Callable] = {
-    "pallas_triton": stick_breaking_triton.stick_breaking_pallas,
+__all__ = ["ALIASES", "Call", "Entry", "IMPLEMENTATIONS", "REGISTRY", "UnknownImplementationError", "VARIANTS",
+           "canonical", "check_config", "choose", "default_implementation", "resolve"]
+
+
+class UnknownImplementationError(ValueError, NotImplementedError):
+    """`implementation` names no implementation (a ValueError and a NotImplementedError)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What an implementation's choice depends on: the spec (mask, softcap, RoPE, precision), the
+    head dim (unpadded), the dtype and whether RoPE positions are given as arrays."""
+
+    spec: AttentionSpec
+    head_dim: int
+    dtype: Any
+    positions: bool = False
+
+    @property
+    def interpret(self) -> bool:
+        """The Pallas Triton kernels run through the interpreter (CPU)."""
+        return jax.default_backend() == "cpu"
+
+    @property
+    def head_pad(self) -> int:
+        return padded_head_dim(self.spec, self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One (variant, implementation).
+
+    fn: softmax: fn(q, k, v, q_seg, kv_seg, spec, *, q_pos, kv_pos, config) -> (out, lse);
+        stick-breaking: fn(q, k, v, decay, spec, *, pos, config) -> (out, rem).
+    unsupported_reason(call): why it cannot serve the call (device, dtype, head dim, features), or None.
+    config_type: its tile config class (None: it takes no config).
+    default_config(call): the config a call gets when none is given.
+    config_reason(config, call): why a (valid) config cannot serve the call, or None.
+    """
+
+    variant: str
+    name: str
+    fn: Callable
+    unsupported_reason: Callable[[Call], str | None]
+    config_type: type | None = None
+    default_config: Callable[[Call], Any] = lambda call: None
+    config_reason: Callable[[Any, Call], str | None] = lambda config, call: None
+
+
+def _float64_reason(call: Call) -> str | None:
+    if jnp.dtype(call.dtype) == jnp.float64:
+        return "float64 inputs are served by implementation='xla' only (the golden reference)"
+    return None
+
+
+def _triton_reason(call: Call) -> str | None:
+    return _float64_reason(call) or pallas_triton_unsupported_reason()
+
+
+def _softmax_mosaic_reason(call: Call) -> str | None:
+    return _triton_reason(call) or softmax_mosaic.unsupported_reason(call.spec, call.head_dim, call.dtype,
+                                                                     call.positions)
+
+
+def _stick_breaking_mosaic_reason(call: Call) -> str | None:
+    return _triton_reason(call) or stick_breaking_mosaic.unsupported_reason(call.spec, call.head_dim, call.dtype)
+
+
+def _softmax_mosaic_config_reason(config, call: Call) -> str | None:
+    return softmax_mosaic.rope_blocks_reason(config) if call.spec.rope is not None else None
+
+
+def _stick_breaking_mosaic_config_reason(config, call: Call) -> str | None:
+    if config.block_k != stick_breaking_mosaic.BLOCK:  # the backward reads the forward's per-block sums
+        return (f"the Mosaic GPU forward stores its sums per {stick_breaking_mosaic.BLOCK} keys: "
+                f"block_k must be {stick_breaking_mosaic.BLOCK}, got {config.block_k}")
+    return None
+
+
+def _softmax_triton(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, config=None):
+    return softmax_triton.flash_attention_pallas(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos,
+                                                 blocks=config)
+
+
+def _softmax_mosaic(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, config=None):
+    # the Hopper kernels (`ops/softmax/mosaic.py`), wired through the engine's padding and custom_vjp
+    return softmax_triton.flash_attention_pallas(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos,
+                                                 kernels="mosaic_gpu", mosaic_blocks=config)
+
+
+def _softmax_xla(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, config=None):
+    return softmax_reference.attention_reference(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos)
+
+
+def _stick_breaking_triton(q, k, v, decay, spec, *, pos=None, config=None):
+    return stick_breaking_triton.stick_breaking_pallas(q, k, v, decay, spec, pos=pos, blocks=config)
+
+
+def _stick_breaking_mosaic(q, k, v, decay, spec, *, pos=None, config=None):
     # the forward on the Hopper kernel (`ops/stick_breaking/mosaic.py`), the backward on Pallas Triton's
-    "mosaic_gpu": functools.partial(stick_breaking_triton.stick_breaking_pallas, forward="mosaic_gpu"),
-    "xla": stick_breaking_reference.stick_breaking_reference,
-}
-IMPLEMENTATIONS = SOFTMAX
+    return stick_breaking_triton.stick_breaking_pallas(q, k, v, decay, spec, pos=pos, blocks=config,
+                                                       forward="mosaic_gpu")
+
+
+def _stick_breaking_xla(q, k, v, decay, spec, *, pos=None, config=None):
+    return stick_breaking_reference.stick_breaking_reference(q, k, v, decay, spec, pos=pos)
+
+
+def _softmax_triton_default(call: Call):
+    return softmax_triton.default_block_sizes(call.head_pad, call.interpret, call.dtype,
+                                              rope=call.spec.rope is not None, rope_positions=call.positions)
+
+
+def _stick_breaking_default(call: Call):
+    return stick_breaking_triton.default_stick_breaking_block_sizes(call.head_pad, call.interpret, call.dtype)
+
+
+_ENTRIES = (
+    Entry("softmax", "triton", _softmax_triton, _triton_reason, softmax_triton.BlockSizes, _softmax_triton_default),
+    Entry("softmax", "mosaic", _softmax_mosaic, _softmax_mosaic_reason, softmax_mosaic.MosaicBlockSizes,
+          lambda call: softmax_mosaic.default_mosaic_block_sizes(call.head_pad), _softmax_mosaic_config_reason),
+    Entry("softmax", "xla", _softmax_xla, lambda call: None),
+    Entry("stick_breaking", "triton", _stick_breaking_triton, _triton_reason,
+          stick_breaking_triton.StickBreakingBlockSizes, _stick_breaking_default),
+    # the config is the Triton backward's (the Mosaic forward's tiles are fixed: 64 rows, 64 keys)
+    Entry("stick_breaking", "mosaic", _stick_breaking_mosaic, _stick_breaking_mosaic_reason,
+          stick_breaking_triton.StickBreakingBlockSizes, _stick_breaking_default, _stick_breaking_mosaic_config_reason),
+    Entry("stick_breaking", "xla", _stick_breaking_xla, lambda call: None),
+)
+# variant -> canonical name -> entry. Adding a backend = one entry (and, if it should be picked by
+# default, a line in `choose`).
+REGISTRY: dict[str, dict[str, Entry]] = {
+    variant: {e.name: e for e in _ENTRIES if e.variant == variant} for variant in VARIANTS}
+
+
+def canonical(variant: str, implementation: str) -> str:
+    """The canonical name of `implementation` for `variant`, or UnknownImplementationError."""
+    if variant not in REGISTRY:
+        raise ValueError(f"unknown variant={variant!r}; choose one of {VARIANTS}")
+    names = REGISTRY[variant]
+    name = ALIASES.get(implementation, implementation) if isinstance(implementation, str) else implementation
+    if not isinstance(name, str) or name not in names:
+        choices = ", ".join(repr(n) for n in names)
+        spellings = ", ".join(f"{old!r} for {new!r}" for old, new in ALIASES.items() if new in names)
+        raise UnknownImplementationError(
+            f"unknown implementation={implementation!r}; choose one of None, {choices} (also accepted: {spellings})")
+    return name
+
+
+def choose(variant: str, call: Call) -> str:
+    """The rule for implementation=None.
+
+    Softmax: "xla" where Pallas Triton cannot run (e.g. TPU, pre-sm80 GPUs); "mosaic" where its
+    Hopper kernels serve the call (faster than the Triton engine on an H100; `benchmarks/`); else
+    "triton" (compiled on NVIDIA sm80+, through the interpreter on CPU).
+    Stick-breaking: "xla" where Pallas Triton cannot run, else "triton", on Hopper too: the Mosaic
+    forward walks every tile, while the Triton forward ends a row block's walk where its sticks are
+    spent (see `jax_attn.stick_breaking_attention`).
+    """
+    if pallas_triton_unsupported_reason() is not None:
+        return "xla"
+    if variant == "softmax" and REGISTRY[variant]["mosaic"].unsupported_reason(call) is None:
+        return "mosaic"
+    if variant not in REGISTRY:
+        raise ValueError(f"unknown variant={variant!r}; choose one of {VARIANTS}")
+    return "triton"
+
+
+def resolve(variant: str, implementation: str | None, call: Call) -> Entry:
+    """The entry that computes `call`: `implementation` (a canonical name or an accepted spelling),
+    or the rule's choice for None. Raises UnknownImplementationError for an unknown name and
+    NotImplementedError, saying why, for an implementation that cannot serve the call."""
+    name = choose(variant, call) if implementation is None else canonical(variant, implementation)
+    entry = REGISTRY[variant][name]
+    if reason := entry.unsupported_reason(call):
+        raise NotImplementedError(f"implementation={name!r} cannot serve this call: {reason}")
+    return entry
+
+
+def check_config(entry: Entry, config, call: Call):
+    """The tile config a call runs with: `config` validated against the entry (TypeError for the
+    wrong type, ValueError if it cannot serve the call), or the entry's default for None."""
+    if config is None:
+        return entry.default_config(call)
+    if entry.config_type is None:
+        raise TypeError(f"implementation={entry.name!r} takes no tile config; got config={config!r} "
+                        f"(pass config=None)")
+    if not isinstance(config, entry.config_type):
+        raise TypeError(f"config must be a {entry.config_type.__module__}.{entry.config_type.__name__} for "
+                        f"implementation={entry.name!r}, got {type(config).__name__}")
+    if reason := entry.config_reason(config, call):
+        raise ValueError(f"config={config} cannot serve this call: {reason}")
+    return config
 
 
 def default_implementation(spec: AttentionSpec | None = None, head_dim: int | None = None,
                            dtype=None, positions: bool = False) -> str:
-    """The rule for implementation=None: the Pallas engine wherever Pallas Triton runs — compiled
-    on NVIDIA sm80+ GPUs, through the interpreter on CPU; "xla" anywhere else (e.g. TPU). Given
-    the call (spec, head dim, dtype, whether RoPE positions are given), "mosaic_gpu" where its
-    Hopper kernels serve it (faster than the Triton engine on an H100; `benchmarks/`)."""
-    if pallas_triton_unsupported_reason() is not None:
-        return "xla"
-    if spec is not None and softmax_mosaic.unsupported_reason(spec, head_dim, dtype, positions) is None:
-        return "mosaic_gpu"
-    return "pallas_triton"
+    """The canonical name implementation=None picks (`choose`): for softmax attention when the
+    call is described (spec, head dim, dtype, whether RoPE positions are given), else the rule
+    without the Mosaic kernels (that of stick-breaking attention)."""
+    if spec is None:
+        return choose("stick_breaking", None)
+    return choose("softmax", Call(spec, head_dim, dtype, positions))

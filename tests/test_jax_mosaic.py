@@ -26,7 +26,7 @@ from jax_golden import _inputs, _run, check_against_golden
     (False, 128, 256, 256, 1), (True, 128, 256, 200, 2), (True, 64, 384, 384, 4), (False, 64, 256, 130, 1)])
 def test_kernel_lowers_for_cuda(causal, head_dim, seq, kv_len, group):
     spec = AttentionSpec(scale=head_dim ** -0.5, causal=causal)
-    blocks = mosaic_gpu.default_mosaic_blocks(head_dim)
+    blocks = mosaic_gpu.default_mosaic_block_sizes(head_dim)
     q = jax.ShapeDtypeStruct((2, seq, 2 * group, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((2, 2 * group, seq), jnp.float32)
@@ -39,7 +39,7 @@ def test_kernel_lowers_for_cuda(causal, head_dim, seq, kv_len, group):
 @pytest.mark.parametrize("style, head_dim, group", [("interleaved", 128, 2), ("half", 64, 1)])
 def test_rope_kernels_lower_for_cuda(style, head_dim, group):
     spec = AttentionSpec(scale=head_dim ** -0.5, causal=True, rope=Rope(style=style))
-    blocks = mosaic_gpu.default_mosaic_blocks(head_dim)
+    blocks = mosaic_gpu.default_mosaic_block_sizes(head_dim)
     q = jax.ShapeDtypeStruct((1, 256, 2 * group, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 256, 2, head_dim), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((1, 2 * group, 256), jnp.float32)
@@ -48,8 +48,8 @@ def test_rope_kernels_lower_for_cuda(style, head_dim, group):
     assert "mosaic_gpu" in f.trace(q, kv, kv, tables).lower(lowering_platforms=("cuda",)).as_text()
     g = jax.jit(lambda *a: mosaic_gpu.flash_backward(*a[:6], spec, 200, blocks, a[6]))
     assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows, tables).lower(lowering_platforms=("cuda",)).as_text()
-    with pytest.raises(ValueError, match="block_q = block_q_bwd = block_kv_bwd = 64"):
-        mosaic_gpu.flash_forward(q, kv, kv, spec, 200, mosaic_gpu.MosaicBlocks(block_q=128), tables)
+    with pytest.raises(ValueError, match="block_q = block_q_bwd = block_k_bwd = 64"):
+        mosaic_gpu.flash_forward(q, kv, kv, spec, 200, mosaic_gpu.MosaicBlockSizes(block_q=128), tables)
 
 
 @pytest.mark.parametrize("has_next, keys", [(True, True), (True, False), (False, False)])
@@ -93,7 +93,7 @@ def test_next_head_schedule(monkeypatch, has_next, keys, steps):
 def test_vmap_folds_into_the_grid_and_refuses_rope_clearly():
     """plgpu.kernel's batching rule folds a vmapped axis into the grid; the RoPE forward (a flags
     Ref, `pl.kernel`) cannot be vmapped and says so."""
-    blocks = mosaic_gpu.default_mosaic_blocks(128)
+    blocks = mosaic_gpu.default_mosaic_block_sizes(128)
     q = jax.ShapeDtypeStruct((3, 1, 256, 2, 128), jnp.bfloat16)
     for rope in (None, Rope(style="half")):
         spec = AttentionSpec(scale=0.1, causal=True, rope=rope)
@@ -198,7 +198,7 @@ def test_refuses_dtype_head_dim_and_device():
     assert "head dims" in mosaic_gpu.unsupported_reason(spec, 129, jnp.bfloat16)
     assert "head dims" in mosaic_gpu.unsupported_reason(spec, 32, jnp.bfloat16)
     assert jax_attn.default_implementation(spec, 128, jnp.bfloat16) == (
-        "mosaic_gpu" if mosaic_gpu.unsupported_reason(spec, 128, jnp.bfloat16) is None else "pallas_triton")
+        "mosaic" if mosaic_gpu.unsupported_reason(spec, 128, jnp.bfloat16) is None else "triton")
     if jax.default_backend() == "cpu":
         x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
         with pytest.raises(NotImplementedError, match="Hopper"):
@@ -211,22 +211,22 @@ def test_default_rule_on_hopper(monkeypatch):
     monkeypatch.setattr(mosaic_gpu, "device_info", lambda: hopper)
     pick = lambda dtype=jnp.bfloat16, head_dim=128, positions=False, **kw: jax_attn.default_implementation(
         AttentionSpec(scale=1.0, **kw), head_dim, dtype, positions)
-    assert pick(causal=True) == pick(window_left=8, window_right=0) == pick(head_dim=40) == "mosaic_gpu"
-    assert pick(rope=Rope()) == pick(rope=Rope(style="half"), head_dim=96) == "mosaic_gpu"
-    assert pick(softcap=5.0) == pick(has_segments=True) == pick(rope=Rope(), positions=True) == "pallas_triton"
-    assert pick(dtype=jnp.float32) == pick(head_dim=256) == pick(head_dim=32) == "pallas_triton"
+    assert pick(causal=True) == pick(window_left=8, window_right=0) == pick(head_dim=40) == "mosaic"
+    assert pick(rope=Rope()) == pick(rope=Rope(style="half"), head_dim=96) == "mosaic"
+    assert pick(softcap=5.0) == pick(has_segments=True) == pick(rope=Rope(), positions=True) == "triton"
+    assert pick(dtype=jnp.float32) == pick(head_dim=256) == pick(head_dim=32) == "triton"
     # RoPE pads each half of the pairs' columns: 34 -> 2 * 32, 32 -> 2 * 16
-    assert pick(rope=Rope(), head_dim=34) == "mosaic_gpu" and pick(rope=Rope(), head_dim=32) == "pallas_triton"
-    assert jax_attn.default_implementation() == "pallas_triton"  # no call described (stick-breaking)
+    assert pick(rope=Rope(), head_dim=34) == "mosaic" and pick(rope=Rope(), head_dim=32) == "triton"
+    assert jax_attn.default_implementation() == "triton"  # no call described (stick-breaking)
 
 
 def test_blocks_validated():
     with pytest.raises(ValueError, match="block_q=32 must be a multiple of 64"):
-        mosaic_gpu.MosaicBlocks(block_q=32)
-    with pytest.raises(ValueError, match="block_kv_bwd=96"):
-        mosaic_gpu.MosaicBlocks(block_kv_bwd=96)
-    with pytest.raises(ValueError, match="stages_bwd=1"):
-        mosaic_gpu.MosaicBlocks(stages_bwd=1)
+        mosaic_gpu.MosaicBlockSizes(block_q=32)
+    with pytest.raises(ValueError, match="block_k_bwd=96"):
+        mosaic_gpu.MosaicBlockSizes(block_k_bwd=96)
+    with pytest.raises(ValueError, match="num_stages_bwd=1"):
+        mosaic_gpu.MosaicBlockSizes(num_stages_bwd=1)
 
 
 # ---------------------------------------------------------------------------------------------

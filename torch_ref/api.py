@@ -11,12 +11,10 @@ Triton is imported lazily (only when the Triton path runs), so the choice of int
 """
 from __future__ import annotations
 
-import torch
-
-from .ops.common.validation import segment_pair_for_kernel, validate, validate_rope, validate_stick_breaking
+from . import registry
+from .ops.common.validation import validate, validate_rope, validate_stick_breaking
 from .ops.softmax import reference as softmax_ref
 from .ops.stick_breaking import reference as stick_breaking_ref
-from .registry import resolve_implementation, triton_module
 
 __all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_attention", "stick_breaking_reference"]
 
@@ -25,7 +23,7 @@ __all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_atten
 # Softmax attention
 # ----------------------------------------------------------------------------------------------
 def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
-                    rope=None, positions=None, return_lse=False, implementation=None):
+                    rope=None, positions=None, return_lse=False, implementation=None, config=None):
     """Scaled dot-product attention, FlashAttention-style.
 
     Args:
@@ -54,29 +52,24 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
           (lse is differentiable as well).
         - None: "triton" when q is on CUDA or the Triton interpreter is active
           (os.environ["TRITON_INTERPRET"] == "1"), else "eager".
-        Anything else raises (ValueError and NotImplementedError); "triton" raises
-        NotImplementedError when it cannot serve the call (float64, or a CPU tensor without the
-        interpreter). There is no silent fallback.
+        Anything else raises `UnknownImplementationError` (ValueError and NotImplementedError);
+        "triton" raises NotImplementedError when it cannot serve the call (float64, or a CPU tensor
+        without the interpreter). There is no silent fallback (`torch_ref.registry`).
+      config: for "triton", a `torch_ref.BlockSizes` (the fields of jax_attn's); "eager" takes
+        none. None: the default for the call (`default_block_sizes`). TypeError for another type.
 
     Precision: softmax statistics in float32. On the GPU, float32 inputs use IEEE fp32 dots unless
     torch.backends.cuda.matmul.allow_tf32 is True, then TF32.
 
     Returns: out `[B, Sq, Hq, D]`, or (out, lse) when return_lse.
     """
-    impl = resolve_implementation(q, implementation) if isinstance(q, torch.Tensor) else None
     scale, q_ids, kv_ids, window, softcap = validate(q, k, v, causal, scale, segment_ids, window, softcap)
     q_pos, kv_pos = validate_rope(q, k, rope, positions)
-    if impl is None:  # unreachable: validate rejects non-tensors
-        raise TypeError("q must be a torch.Tensor")
-    if impl == "eager":
-        out, lse = softmax_ref.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
-                                         window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
-    else:
-        kernels = triton_module(q, "softmax")
-        q_ids, kv_ids = segment_pair_for_kernel(q_ids, kv_ids)
-        q_pos, kv_pos = segment_pair_for_kernel(q_pos, kv_pos)
-        out, lse = kernels.FlashAttentionFn.apply(q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope,
-                                                  q_pos, kv_pos)
+    call = registry.Call.of(q)
+    entry = registry.resolve("softmax", implementation, call)
+    config = registry.check_config(entry, config, call)
+    out, lse = entry.fn(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
+                        softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos, config=config)
     return (out, lse) if return_lse else out
 
 
@@ -97,7 +90,7 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, segment_ids=
 # Stick-breaking attention (ExpoSB)
 # ----------------------------------------------------------------------------------------------
 def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, rope=None, positions=None, return_remainder=False,
-                             implementation=None):
+                             implementation=None, config=None):
     """Stick-breaking attention (ExpoSB), strictly causal: token i attends to keys j < i.
 
     Args:
@@ -119,23 +112,19 @@ def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, rope=None, posit
         None picks "triton" when q is on CUDA or the Triton interpreter is active, else "eager";
         "triton" raises NotImplementedError when it cannot serve the call (float64, CPU tensor
         without the interpreter); anything else raises (ValueError and NotImplementedError).
+      config: for "triton", a `torch_ref.StickBreakingBlockSizes`; "eager" takes none. None: the
+        default for the call (`default_stick_breaking_block_sizes`). TypeError for another type.
 
     Row 0 has no key: out 0, rem 1, zero gradients. Log-space math in float32; on the GPU
     float32 inputs use IEEE fp32 dots unless torch.backends.cuda.matmul.allow_tf32 is True.
 
     Returns: out `[B, S, Hq, D]`, or (out, rem) when return_remainder.
     """
-    impl = resolve_implementation(q, implementation) if isinstance(q, torch.Tensor) else None
     scale, decay, q_pos, kv_pos = validate_stick_breaking(q, k, v, scale, decay, rope, positions)
-    if impl == "eager":
-        out, rem = stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos,
-                                                kv_pos=kv_pos)
-    else:
-        kernels = triton_module(q, "stick_breaking")
-        q_pos, kv_pos = segment_pair_for_kernel(q_pos, kv_pos)
-        decay_t = decay if isinstance(decay, torch.Tensor) else None
-        decay_value = 0.0 if decay_t is not None else decay
-        out, rem = kernels.StickBreakingFn.apply(q, k, v, decay_t, decay_value, scale, rope, q_pos, kv_pos)
+    call = registry.Call.of(q)
+    entry = registry.resolve("stick_breaking", implementation, call)
+    config = registry.check_config(entry, config, call)
+    out, rem = entry.fn(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos, config=config)
     return (out, rem) if return_remainder else out
 
 

@@ -1,10 +1,15 @@
-"""Implementation names and how to run them.
+"""Which implementation computes a call: one entry per (variant, implementation) and the rule for None.
 
-Every public function takes `implementation`: None, "triton" or "eager".
+The shape of `jax_attn.registry`: an entry holds the function that runs the call, why it cannot
+serve a call (`unsupported_reason`), its tile config type and the default tile config for a call;
+`resolve(variant, implementation, call)` accepts the names, applies the rule for None (`choose`)
+and raises for an unknown name and for an implementation that cannot serve the call.
+
+Implementation names (the same as jax_attn's wherever the thing is the same):
+  - "triton": the variant's Triton kernels and autograd Function (`torch_ref.ops.<variant>.triton`),
+    imported only when a call runs them; on CPU through the Triton interpreter;
   - "eager": the variant's plain PyTorch reference (`torch_ref.ops.<variant>.reference`),
-    differentiable by autograd;
-  - "triton": the variant's Triton kernels and autograd Function (`torch_ref.ops.<variant>.triton`,
-    `TRITON_MODULES`), imported only when a call runs them;
+    differentiable by autograd (not jax_attn's "xla": a different thing, so a different name);
   - None: "triton" when q is on CUDA or the Triton interpreter is active
     (os.environ["TRITON_INTERPRET"] == "1"), else "eager".
 Anything else raises `UnknownImplementationError` (a ValueError and a NotImplementedError);
@@ -15,17 +20,28 @@ Triton is imported lazily (only when the Triton path runs), so the choice of int
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
+from typing import Any, Callable
 
 import torch
 
-IMPLEMENTATIONS = (None, "triton", "eager")
+from .ops.common.validation import segment_pair_for_kernel
+from .ops.softmax import reference as softmax_ref
+from .ops.stick_breaking import reference as stick_breaking_ref
+
+IMPLEMENTATIONS = ("triton", "eager")  # canonical names
+VARIANTS = ("softmax", "stick_breaking")
 # variant -> its Triton kernel module (relative to this package)
 TRITON_MODULES = {"softmax": ".ops.softmax.triton", "stick_breaking": ".ops.stick_breaking.triton"}
+# variant -> (its config class, its default-config function) in TRITON_MODULES[variant]
+_TRITON_CONFIGS = {"softmax": ("BlockSizes", "default_block_sizes"),
+                   "stick_breaking": ("StickBreakingBlockSizes", "default_stick_breaking_block_sizes")}
 
-__all__ = ["IMPLEMENTATIONS", "TRITON_MODULES", "UnknownImplementationError", "interpreter_requested",
-           "resolve_implementation", "triton_module"]
+__all__ = ["Call", "Entry", "IMPLEMENTATIONS", "REGISTRY", "TRITON_MODULES", "UnknownImplementationError", "VARIANTS",
+           "canonical", "check_config", "choose", "interpreter_requested", "resolve", "resolve_implementation",
+           "triton_module"]
 
 
 class UnknownImplementationError(ValueError, NotImplementedError):
@@ -36,31 +52,168 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_implementation(q: torch.Tensor, implementation=None) -> str:
-    """The implementation a call would use: see `torch_ref.flash_attention` for the rule."""
-    if implementation not in IMPLEMENTATIONS:
-        raise UnknownImplementationError(
-            f"implementation must be None, 'triton' or 'eager', got {implementation!r}")
-    if implementation is None:
-        return "triton" if (q.is_cuda or interpreter_requested()) else "eager"
-    return implementation
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What an implementation's choice depends on: q's device and dtype, and the head dim."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor) -> "Call":
+        return cls(q.device, q.dtype, q.shape[-1])
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One (variant, implementation).
+
+    fn: softmax: fn(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, rope, q_pos, kv_pos,
+        config) -> (out, lse); stick-breaking: fn(q, k, v, *, scale, decay, rope, q_pos, kv_pos,
+        config) -> (out, rem).
+    unsupported_reason(call): why it cannot serve the call (device, dtype), or None.
+    config_type(): its tile config class (None: it takes no config); a function, so that Triton
+      is imported only when asked.
+    default_config(call): the config a call gets when none is given.
+    """
+
+    variant: str
+    name: str
+    fn: Callable
+    unsupported_reason: Callable[[Call], str | None]
+    config_type: Callable[[], type | None] = lambda: None
+    default_config: Callable[[Call], Any] = lambda call: None
+
+
+def _triton_reason(call: Call, variant: str) -> str | None:
+    if call.dtype == torch.float64:
+        return "the Triton kernels take float16, bfloat16 or float32, not float64; use implementation='eager'"
+    if not call.is_cuda and not interpreter_requested():
+        return (f"it needs a CUDA tensor or the Triton interpreter (TRITON_INTERPRET=1); "
+                f"q is on {call.device}")
+    try:
+        kernels = importlib.import_module(TRITON_MODULES[variant], __package__)
+    except ImportError as e:  # pragma: no cover - triton is a declared dependency
+        return f"it needs triton: {e}"
+    if not call.is_cuda and not kernels.INTERPRETED:
+        return ("a CPU tensor needs the Triton interpreter, but triton was imported before "
+                "TRITON_INTERPRET=1 was set")
+    return None
 
 
 def triton_module(q: torch.Tensor, variant: str):
     """Import the kernel module of `variant` (a key of TRITON_MODULES), or raise NotImplementedError
     saying why Triton cannot serve this call."""
-    if q.dtype == torch.float64:
-        raise NotImplementedError("implementation='triton' does not support float64; use implementation='eager'")
-    if not q.is_cuda and not interpreter_requested():
-        raise NotImplementedError(
-            f"implementation='triton' needs a CUDA tensor or the Triton interpreter (TRITON_INTERPRET=1); "
-            f"q is on {q.device}")
-    try:
-        kernels = importlib.import_module(TRITON_MODULES[variant], __package__)
-    except ImportError as e:  # pragma: no cover - triton is a declared dependency
-        raise NotImplementedError(f"implementation='triton' needs triton: {e}") from e
-    if not q.is_cuda and not kernels.INTERPRETED:
-        raise NotImplementedError(
-            "implementation='triton' on a CPU tensor needs the Triton interpreter, but triton was imported "
-            "before TRITON_INTERPRET=1 was set")
-    return kernels
+    if reason := _triton_reason(Call.of(q), variant):
+        raise NotImplementedError(f"implementation='triton' cannot serve this call: {reason}")
+    return importlib.import_module(TRITON_MODULES[variant], __package__)
+
+
+def _kernels(variant: str):
+    return importlib.import_module(TRITON_MODULES[variant], __package__)
+
+
+def _triton_config_type(variant: str) -> type:
+    return getattr(_kernels(variant), _TRITON_CONFIGS[variant][0])
+
+
+def _triton_default_config(variant: str, call: Call):
+    kernels = _kernels(variant)
+    default = getattr(kernels, _TRITON_CONFIGS[variant][1])  # looked up per call (tests patch it)
+    return default(call.head_dim, call.dtype, call.is_cuda and not kernels.INTERPRETED)
+
+
+def _softmax_eager(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, rope, q_pos, kv_pos, config=None):
+    return softmax_ref.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
+                                 softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+
+
+def _softmax_triton(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, rope, q_pos, kv_pos, config=None):
+    q_ids, kv_ids = segment_pair_for_kernel(q_ids, kv_ids)
+    q_pos, kv_pos = segment_pair_for_kernel(q_pos, kv_pos)
+    return _kernels("softmax").FlashAttentionFn.apply(q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope,
+                                                     q_pos, kv_pos, config)
+
+
+def _stick_breaking_eager(q, k, v, *, scale, decay, rope, q_pos, kv_pos, config=None):
+    return stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+
+
+def _stick_breaking_triton(q, k, v, *, scale, decay, rope, q_pos, kv_pos, config=None):
+    q_pos, kv_pos = segment_pair_for_kernel(q_pos, kv_pos)
+    decay_t = decay if isinstance(decay, torch.Tensor) else None
+    decay_value = 0.0 if decay_t is not None else decay
+    return _kernels("stick_breaking").StickBreakingFn.apply(q, k, v, decay_t, decay_value, scale, rope, q_pos, kv_pos,
+                                                           config)
+
+
+def _triton_entry(variant: str, fn: Callable) -> Entry:
+    return Entry(variant, "triton", fn, lambda call: _triton_reason(call, variant),
+                 lambda: _triton_config_type(variant), lambda call: _triton_default_config(variant, call))
+
+
+_ENTRIES = (
+    _triton_entry("softmax", _softmax_triton),
+    Entry("softmax", "eager", _softmax_eager, lambda call: None),
+    _triton_entry("stick_breaking", _stick_breaking_triton),
+    Entry("stick_breaking", "eager", _stick_breaking_eager, lambda call: None),
+)
+# variant -> name -> entry. Adding a backend = one entry.
+REGISTRY: dict[str, dict[str, Entry]] = {
+    variant: {e.name: e for e in _ENTRIES if e.variant == variant} for variant in VARIANTS}
+
+
+def canonical(variant: str, implementation) -> str:
+    """`implementation` checked against the names of `variant`, or UnknownImplementationError."""
+    if variant not in REGISTRY:
+        raise ValueError(f"unknown variant={variant!r}; choose one of {VARIANTS}")
+    if not isinstance(implementation, str) or implementation not in REGISTRY[variant]:
+        raise UnknownImplementationError(
+            f"implementation must be None, 'triton' or 'eager', got {implementation!r}")
+    return implementation
+
+
+def choose(variant: str, call: Call) -> str:
+    """The rule for implementation=None, every variant: "triton" when q is on CUDA or the Triton
+    interpreter is active (os.environ["TRITON_INTERPRET"] == "1"), else "eager"."""
+    if variant not in REGISTRY:
+        raise ValueError(f"unknown variant={variant!r}; choose one of {VARIANTS}")
+    return "triton" if (call.is_cuda or interpreter_requested()) else "eager"
+
+
+def resolve(variant: str, implementation: str | None, call: Call) -> Entry:
+    """The entry that computes `call`: `implementation`, or the rule's choice for None. Raises
+    UnknownImplementationError for an unknown name and NotImplementedError, saying why, for an
+    implementation that cannot serve the call."""
+    name = choose(variant, call) if implementation is None else canonical(variant, implementation)
+    entry = REGISTRY[variant][name]
+    if reason := entry.unsupported_reason(call):
+        raise NotImplementedError(f"implementation={name!r} cannot serve this call: {reason}")
+    return entry
+
+
+def check_config(entry: Entry, config, call: Call):
+    """The tile config a call runs with: `config` validated against the entry (TypeError for the
+    wrong type), or the entry's default for None."""
+    if config is None:
+        return entry.default_config(call)
+    config_type = entry.config_type()
+    if config_type is None:
+        raise TypeError(f"implementation={entry.name!r} takes no tile config; got config={config!r} "
+                        f"(pass config=None)")
+    if not isinstance(config, config_type):
+        raise TypeError(f"config must be a {config_type.__module__}.{config_type.__name__} for "
+                        f"implementation={entry.name!r}, got {type(config).__name__}")
+    return config
+
+
+def resolve_implementation(q: torch.Tensor, implementation=None) -> str:
+    """The name a call would use (`choose` for None; no check that it can serve the call)."""
+    if implementation is None:
+        return choose("softmax", Call.of(q))
+    return canonical("softmax", implementation)

@@ -1,181 +1,98 @@
 """Flax NNX layers on the attention kernels, and an `attention_fn` adapter for flax.
 
 * `MultiHeadSelfAttention`: q/k/v/out projections (`nnx.Linear`: `q_proj`, `k_proj`, `v_proj`,
-  `out_proj`), heads in BSHD layout, `jax_attn.flash_attention`, heads merged, projected.
+  `out_proj`), heads in BSHD layout, the attention kernel, heads merged, projected.
 * `EncoderBlock`: BERT-style post-LN block, x = LN(x + attn(x)); x = LN(x + MLP(x)), MLP =
   Linear(d_model, d_ff) -> GELU (tanh approximation) -> Linear(d_ff, d_model).
 * `make_attention_fn` / `attention_fn`: run `flax.nnx.MultiHeadAttention(attention_fn=...)` on the
   kernels.
 
-Position schemes (`position=`):
-  "none":     no position information (permutation-equivariant unless causal / windowed).
-  "absolute": the sinusoidal table of `jax_attn.nn.positions` is added to the layer input before the
-              q/k/v projections (at `positions` when given, else at 0 .. S-1). Only the attention
-              input gets it: the residual of `EncoderBlock` carries x without it.
-  "rope":     rotary embedding of q and k fused into the kernel: `flash_attention(..., rope=,
-              positions=)` (positions None = 0 .. S-1).
-  "exposb":   stick-breaking attention (`jax_attn.stick_breaking_attention`) on RoPE-rotated q, k
-              (the `rope` config, `positions`), with the distance decay `decay` (fixed) or, with
-              `learn_decay=True`, a learnable per-head decay softplus(decay_logit) started at
-              `decay` (> 0). Strictly causal by definition: it needs causal=True and takes no
-              window, softcap or segment ids.
-
-The PyTorch twins live in `torch_ref.layers` (same arguments, same submodule names); parameters
-move between them with `parity.bridge`.
+The attention kind (`attention="softmax" | "stick_breaking"`: `jax_attn.flash_attention` or
+`jax_attn.stick_breaking_attention`) and the position scheme (`position="none" | "absolute" |
+"rope"`) are separate arguments; their meaning, which other arguments each takes and the checks
+are those of `attn_spec.layers`, shared with the PyTorch twins in `torch_ref.nn.layers` (same
+arguments, same submodule names). Parameters move between them with `parity.bridge`.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from attn_spec.layers import (LAYER_NORM_EPS, check_layer_args, check_positions_shape, feed_forward_width,
+                              inverse_softplus)
 from jax_attn.api import flash_attention, stick_breaking_attention
 from jax_attn.nn.positions import sinusoidal_at, sinusoidal_positions
 from jax_attn.ops.common.rope import Rope
 
-POSITIONS = ("none", "absolute", "rope", "exposb")
-LAYER_NORM_EPS = 1e-5
-
-
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    return int(value)
-
-
-def check_attention_args(d_model, num_heads, num_kv_heads, position, causal=False, window=None,
-                         softcap=None, decay=0.0, learn_decay=False) -> tuple[int, int, int, int]:
-    """Validate the shape/position arguments; -> (d_model, num_heads, num_kv_heads, head_dim).
-
-    The same checks and messages as `torch_ref.layers` (kept in step by tests/test_layers.py).
-    """
-    d_model = _positive_int("d_model", d_model)
-    num_heads = _positive_int("num_heads", num_heads)
-    num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
-    if position not in POSITIONS:
-        raise ValueError(f"unknown position={position!r}; choose one of {POSITIONS}")
-    if d_model % num_heads:
-        raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    head_dim = d_model // num_heads
-    if position == "absolute" and d_model % 2:
-        raise ValueError(f"position='absolute' needs an even d_model, got d_model={d_model}")
-    if position in ("rope", "exposb") and head_dim % 2:
-        raise ValueError(f"position={position!r} needs an even head dim, got d_model / num_heads = {head_dim}")
-    check_exposb_args(position, causal, window, softcap, decay, learn_decay)
-    return d_model, num_heads, num_kv_heads, head_dim
-
-
-def check_exposb_args(position, causal, window, softcap, decay, learn_decay):
-    if not isinstance(decay, numbers.Real) or isinstance(decay, bool) or not decay >= 0 or decay == float("inf"):
-        raise ValueError(f"decay must be a finite float >= 0, got decay={decay!r}")
-    if position != "exposb":
-        if decay != 0.0 or learn_decay:
-            raise ValueError(f"decay / learn_decay belong to position='exposb', not position={position!r}")
-        return
-    if not causal:
-        raise ValueError("position='exposb' (stick-breaking) is strictly causal: pass causal=True")
-    if window is not None or softcap is not None:
-        raise ValueError("position='exposb' takes no window or softcap")
-    if learn_decay and decay <= 0:
-        raise ValueError("learn_decay=True needs decay > 0: the learned decay softplus(decay_logit) "
-                         "starts at decay and can never be exactly 0")
-
-
-def inverse_softplus(y: float) -> float:
-    """x with softplus(x) = y > 0 (the initial decay_logit)."""
-    return float(y + np.log(-np.expm1(-y)))
+ATTENTION_FUNCTIONS = {"softmax": flash_attention, "stick_breaking": stick_breaking_attention}
 
 
 class MultiHeadSelfAttention(nnx.Module):
-    """Multi-head self-attention (GQA/MQA when num_kv_heads < num_heads) on `flash_attention`.
+    """Multi-head self-attention (GQA/MQA when num_kv_heads < num_heads).
 
     Args:
       d_model: model width; d_model % num_heads == 0, head dim = d_model // num_heads.
       num_heads: query heads. num_kv_heads: key/value heads (default num_heads), dividing num_heads.
-      position: "none" | "absolute" | "rope" | "exposb" (see the module docstring).
-      rope: the `Rope` config of position="rope" and "exposb" (ignored otherwise).
-      decay, learn_decay: the stick-breaking distance decay of position="exposb".
-      causal, window, softcap, implementation: passed to `flash_attention` unchanged.
+      attention: "softmax" (`flash_attention`) | "stick_breaking" (`stick_breaking_attention`).
+      position: "none" | "absolute" | "rope" (see `attn_spec.layers`).
+      rope: the `Rope` config of position="rope".
+      causal, window, softcap: the masks and score cap of attention="softmax"; stick-breaking
+        needs causal=True and takes no window or softcap.
+      decay, learn_decay: the distance decay of attention="stick_breaking", fixed or learnable
+        (a per-head `decay_logit` parameter, softplus(decay_logit) starts at decay > 0).
+      implementation: passed to the attention function unchanged.
       use_bias: biases in the four projections.
       dtype: compute dtype of the projections and the attention; param_dtype: parameter dtype.
       rngs: `nnx.Rngs` for the initialisers (nnx.Linear defaults: lecun-normal kernels, zero biases).
+    An argument the chosen attention or position does not use raises a ValueError naming it.
     """
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 position: str = "none", rope: Rope = Rope(), causal: bool = False,
-                 window: tuple[int, int] | None = None, softcap: float | None = None,
-                 decay: float = 0.0, learn_decay: bool = False,
+                 attention: str = "softmax", position: str = "none", rope: Rope = Rope(),
+                 causal: bool = False, window: tuple[int, int] | None = None,
+                 softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
                  implementation: str | None = None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-        d_model, num_heads, num_kv_heads, head_dim = check_attention_args(
-            d_model, num_heads, num_kv_heads, position, causal, window, softcap, decay, learn_decay)
-        if position in ("rope", "exposb") and not isinstance(rope, Rope):
-            raise TypeError(f"rope must be a jax_attn.Rope, got {type(rope).__name__}")
-        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
-        self.position, self.rope = position, rope
-        self.causal, self.window, self.softcap = bool(causal), window, softcap
-        self.implementation = implementation
-        self.dtype = dtype
-
-        def linear(n_in, n_out):
-            return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-
-        self.q_proj = linear(d_model, num_heads * head_dim)
-        self.k_proj = linear(d_model, num_kv_heads * head_dim)
-        self.v_proj = linear(d_model, num_kv_heads * head_dim)
-        self.out_proj = linear(num_heads * head_dim, d_model)
-        self.decay, self.learn_decay = float(decay), bool(learn_decay)
+        self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
+                                     rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
+                                     learn_decay=learn_decay)
+        self.implementation, self.dtype = implementation, dtype
+        for name, (n_in, n_out) in self.spec.projections().items():
+            setattr(self, name, nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                                           rngs=rngs))
         if learn_decay:
             self.decay_logit = nnx.Param(jnp.full((num_heads,), inverse_softplus(decay), param_dtype))
 
     def __call__(self, x, *, segment_ids=None, positions=None):
         """x [B, S, d_model] -> [B, S, d_model].
 
-        segment_ids: int [B, S], attention stays within equal ids (packed sequences).
+        segment_ids: int [B, S], attention stays within equal ids (packed sequences; softmax only).
         positions: int [B, S] token positions for "absolute" / "rope" (default 0 .. S-1);
           an error with position="none".
         """
-        if x.ndim != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must be [batch, seq, d_model={self.d_model}], got shape {x.shape}")
-        batch, length, _ = x.shape
-        if positions is not None and self.position == "none":
-            raise ValueError("positions were given but position='none' does not use them")
-        if self.position == "absolute":
+        spec = self.spec
+        batch, length = spec.check_call(x.shape, segment_ids=segment_ids, positions=positions)
+        if spec.position == "absolute":
             if positions is None:
-                pe = sinusoidal_positions(length, self.d_model, x.dtype)[None]
+                x = x + sinusoidal_positions(length, spec.d_model, x.dtype)[None]
             else:
                 _check_positions(positions, batch, length)
-                pe = sinusoidal_at(positions, self.d_model, x.dtype)
-            x = x + pe
-        q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        kwargs = dict(causal=self.causal, window=self.window, softcap=self.softcap,
-                      segment_ids=segment_ids, implementation=self.implementation)
-        if self.position == "exposb":
-            if segment_ids is not None:
-                raise ValueError("position='exposb' takes no segment_ids")
-            decay = jax.nn.softplus(self.decay_logit[...]) if self.learn_decay else self.decay
-            out = stick_breaking_attention(q, k, v, decay=decay, rope=self.rope, positions=positions,
-                                           implementation=self.implementation)
-        else:
-            if self.position == "rope":
-                kwargs.update(rope=self.rope, positions=positions)
-            out = flash_attention(q, k, v, **kwargs)
-        return self.out_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
+                x = x + sinusoidal_at(positions, spec.d_model, x.dtype)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (p(x).reshape(batch, length, h, spec.head_dim) for p, h in zip(projections, spec.qkv_heads()))
+        decay = jax.nn.softplus(self.decay_logit[...]) if spec.learn_decay else None
+        kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay)
+        out = ATTENTION_FUNCTIONS[spec.attention](q, k, v, implementation=self.implementation, **kwargs)
+        return self.out_proj(out.reshape(batch, length, spec.num_heads * spec.head_dim))
 
 
 def _check_positions(positions, batch, length):
     if not hasattr(positions, "dtype") or not jnp.issubdtype(positions.dtype, jnp.integer):
         raise TypeError(f"positions must be an integer array, got {getattr(positions, 'dtype', type(positions))}")
-    if positions.shape != (batch, length):
-        raise ValueError(f"positions must have shape {(batch, length)}, got {positions.shape}")
+    check_positions_shape(positions.shape, batch, length)
 
 
 class EncoderBlock(nnx.Module):
@@ -188,18 +105,16 @@ class EncoderBlock(nnx.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *,
-                 num_kv_heads: int | None = None, position: str = "none", rope: Rope = Rope(),
-                 causal: bool = False, window: tuple[int, int] | None = None,
+                 num_kv_heads: int | None = None, attention: str = "softmax", position: str = "none",
+                 rope: Rope = Rope(), causal: bool = False, window: tuple[int, int] | None = None,
                  softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
-                 implementation: str | None = None,
-                 use_bias: bool = True, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 rngs: nnx.Rngs):
-        d_ff = 4 * d_model if d_ff is None else _positive_int("d_ff", d_ff)
+                 implementation: str | None = None, use_bias: bool = True, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        d_ff = feed_forward_width(d_model, d_ff)
         self.attn = MultiHeadSelfAttention(
-            d_model, num_heads, num_kv_heads=num_kv_heads, position=position, rope=rope,
+            d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
             causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
-            implementation=implementation,
-            use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = dict(epsilon=LAYER_NORM_EPS, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln1 = nnx.LayerNorm(d_model, **norm)
         self.ln2 = nnx.LayerNorm(d_model, **norm)

@@ -119,11 +119,20 @@ def reach(spec: AttentionSpec):
     return spec.window_left, min(bounds) if bounds else None
 
 
-def partner_blocks(first, size: int, block: int, num: int, before, after, last_masked: bool = False):
+def partner_blocks(first, size: int, block: int, num: int, before, after, last_masked: bool = False,
+                   valid: int | None = None):
     """Own rows [first, first + size) see partners y with x - before <= y <= x + after (None:
     unbounded), in `num` blocks of `block`. -> (lo, plain_lo, plain_hi, hi): the blocks some row
     sees are [lo, hi); inside, [plain_lo, plain_hi) are seen whole by every row (no mask). With
-    `last_masked` the last block (padding) is never plain. Monotone in `first`."""
+    `last_masked` the last block (padding) is never plain. `valid` (static): partners >= valid are
+    padding, which may span several blocks (the arrays are padded to the widest tile, the
+    backward's blocks are narrower): blocks of padding alone are not visited and the one holding
+    `valid` is never plain. Monotone in `first`."""
+    if valid is not None:
+        # A plain block of zero padded keys gives s = 0 and P = 2^-m2, which overflows 16-bit
+        # dS (and, past 2^128, fp32) on rows whose lse is very negative: inf * 0 = NaN in dQ.
+        num = min(num, -(-valid // block))
+        last_masked = last_masked or valid % block != 0
     lo = 0 if before is None else jnp.minimum(jnp.maximum(first - before, 0) // block, num)
     hi = num if after is None else jnp.minimum(pl.cdiv(first + size + after, block), num)
     plain_lo = lo if before is None else pl.cdiv(jnp.maximum(first + size - 1 - before, 0), block)
@@ -236,10 +245,11 @@ def query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages
     compute warpgroup) and the producer streaming the key blocks they see. Runs
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
     first row, its (lo, plain_lo, plain_hi, hi) and the pair's stream (stream_lo, stream_hi);
-    the last key block holds padding when kv_len is ragged. `shared` (RoPE): the streamed keys
-    come rotated (`stream_kv`); `leftwards`: the stream runs from stream_hi - 1 down. `rotators`:
-    the grid's head axis starts with a pseudo-head whose CTAs compute nothing and stream nothing
-    (their producers only rotate for head 0: `_NextHead`)."""
+    key blocks of padding alone are skipped and the one holding kv_len is masked
+    (`partner_blocks`'s `valid`). `shared` (RoPE): the streamed keys come rotated (`stream_kv`);
+    `leftwards`: the stream runs from stream_hi - 1 down. `rotators`: the grid's head axis
+    starts with a pseudo-head whose CTAs compute nothing and stream nothing (their producers only
+    rotate for head 0: `_NextHead`)."""
     ring = Ring(*ring[:3], stages, *ring[3:])
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     if rotators:
@@ -247,7 +257,7 @@ def query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages
     pair_first = query_pair(q_ref, bq, spec)
     before, after = reach(spec)
     num_kv = k_ref.shape[1] // bkv
-    ranges = [partner_blocks(pair_first + w * bq, bq, bkv, num_kv, before, after, kv_len % bkv != 0)
+    ranges = [partner_blocks(pair_first + w * bq, bq, bkv, num_kv, before, after, valid=kv_len)
               for w in range(2)]
     stream = (ranges[0][0], ranges[1][3])
     if rotators:

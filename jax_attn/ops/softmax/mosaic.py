@@ -50,24 +50,29 @@ from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, visi
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicBlocks:
-    """block_q rows per compute warpgroup (a CTA serves 2 * block_q), block_kv keys per step,
-    `stages` K/V slots in shared memory."""
+class MosaicBlockSizes:
+    """Tiles of the Mosaic GPU kernels, in the field vocabulary of `BlockSizes`: block_q rows per
+    compute warpgroup (a CTA serves 2 * block_q), block_k keys per step, `num_stages` K/V slots in
+    shared memory; the backward's block_q_bwd, block_k_bwd, num_stages_bwd likewise."""
 
     block_q: int = 64
-    block_kv: int = 128
-    stages: int = 2
+    block_k: int = 128
+    num_stages: int = 2
     block_q_bwd: int = 64  # backward: query rows per warpgroup (dQ) and per streamed block (dK/dV)
-    block_kv_bwd: int = 64  # keys per warpgroup (dK/dV) and per streamed block (dQ)
-    stages_bwd: int = 2
+    block_k_bwd: int = 64  # keys per warpgroup (dK/dV) and per streamed block (dQ)
+    num_stages_bwd: int = 2
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
-            if getattr(self, name) % WGMMA_ROWS:
-                raise ValueError(f"MosaicBlocks.{name}={getattr(self, name)} must be a multiple of {WGMMA_ROWS}")
-        for name in ("stages", "stages_bwd"):
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), int) or isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"MosaicBlockSizes.{f.name}={getattr(self, f.name)!r} must be an int")
+        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+            if getattr(self, name) < WGMMA_ROWS or getattr(self, name) % WGMMA_ROWS:
+                raise ValueError(f"MosaicBlockSizes.{name}={getattr(self, name)} must be a multiple of "
+                                 f"{WGMMA_ROWS}, at least {WGMMA_ROWS}")
+        for name in ("num_stages", "num_stages_bwd"):
             if getattr(self, name) < 2:
-                raise ValueError(f"MosaicBlocks.{name}={getattr(self, name)} must be >= 2 "
+                raise ValueError(f"MosaicBlockSizes.{name}={getattr(self, name)} must be >= 2 "
                                  f"(one slot loads while one computes)")
 
     @property
@@ -78,13 +83,13 @@ class MosaicBlocks:
     def tiles(self) -> tuple[int, int]:
         """The multiples the query and key lengths are padded to."""
         return (max(self.q_tile, 2 * self.block_q_bwd),
-                max(self.block_kv, 2 * self.block_kv_bwd))
+                max(self.block_k, 2 * self.block_k_bwd))
 
 
-def default_mosaic_blocks(head_dim: int) -> MosaicBlocks:
+def default_mosaic_block_sizes(head_dim: int) -> MosaicBlockSizes:
     """128-key steps in 2 stages fill 160 KB of shared memory at D=128 (256-key steps would not fit
     the H100's 227 KB); D=64 halves the slots, so it keeps 3 stages in flight."""
-    return MosaicBlocks(64, 128, 2 if head_dim > 64 else 3)
+    return MosaicBlockSizes(64, 128, 2 if head_dim > 64 else 3)
 
 
 def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype, positions: bool = False) -> str | None:
@@ -480,14 +485,14 @@ def _split_tables(refs, spec: AttentionSpec):
     return refs[:count], refs[count:]
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: AttentionSpec,
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlockSizes, spec: AttentionSpec,
                     kv_len: int, group: int):
     """Outputs o, lse2 and, with RoPE (after the tables, the k and q flags come as input Refs), k
     rotated and q rotated (`_SharedKeys`, `_NextHead`; the backward reads them)."""
     *refs, own, ring = refs
     tables, outputs = _split_tables(tuple(refs), spec)
     rotary = shared = None
-    bq, bkv = blocks.block_q, blocks.block_kv
+    bq, bkv = blocks.block_q, blocks.block_k
     if tables:
         k_flags, q_flags, o_ref, lse_ref, k_rot_ref, q_rot_ref = outputs
         (q_smem, rotary_smem, shared_smem, ahead_smem, q_flag_rows), \
@@ -565,7 +570,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlocks, spec: Atte
         lse_ref.at[batch, head, rows][...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe) * LOG2E)
         frame.store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
 
-    frame.query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages, spec=spec,
+    frame.query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.num_stages, spec=spec,
                  kv_len=kv_len, group=group, shared=shared, rotators=rotary is not None)
 
 
@@ -577,7 +582,7 @@ def _backward_own(own, tables, spec: AttentionSpec):
     return tiles, ready, _Rotary(spec.rope.style, *tables, rotary_smem, rotary_barriers)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlockSizes,
                spec: AttentionSpec, group: int, kv_len: int):
     """dQ = scale * dS K with dS = P (dO V^T - delta), P = exp2(s2 - m2); two query blocks per CTA
     (one per compute warpgroup) stream the key blocks, as the forward, and mask as it does. With
@@ -585,7 +590,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
     *refs, own, ring = refs
     tables, (dq_ref,) = _split_tables(tuple(refs), spec)
     (q_smem, do_smem), own_ready, rotary = _backward_own(own, tables, spec)
-    bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
+    bq, bkv = blocks.block_q_bwd, blocks.block_k_bwd
     scale2 = spec.scale * LOG2E
 
     def compute(batch, head, wg, first, own_blocks, stream, ring):
@@ -624,11 +629,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
             dq = rotary(dq, rotary.own_base(wg), inverse=True)
         frame.store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
 
-    frame.query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.stages_bwd, spec=spec,
+    frame.query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.num_stages_bwd, spec=spec,
                  kv_len=kv_len, group=group)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlocks,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlockSizes,
                  spec: AttentionSpec, group: int, kv_len: int):
     """dV = P^T dO, dK = scale * dS^T Q, summed over the kv head's query heads: two key blocks per
     CTA (one per compute warpgroup) stream the (query head, query block) pairs, computing the
@@ -637,9 +642,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
     *refs, own, ring = refs
     tables, (dk_ref, dv_ref) = _split_tables(tuple(refs), spec)
     (k_smem, v_smem), own_ready, rotary = _backward_own(own, tables, spec)
-    bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
+    bq, bkv = blocks.block_q_bwd, blocks.block_k_bwd
     scale2 = spec.scale * LOG2E
-    ring = frame.Ring(*ring, blocks.stages_bwd)
+    ring = frame.Ring(*ring, blocks.num_stages_bwd)
     num_q = q_ref.shape[1] // bq
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = lax.axis_index("k_tiles") * 2 * bkv  # causal: low keys see the most rows, launched first
@@ -715,14 +720,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         ring.produce(sources, group * per_head, group * num_q)
 
 
-def _check_rope_blocks(blocks: MosaicBlocks):
+def _check_rope_blocks(blocks: MosaicBlockSizes):
     """The rotation works on 64-row blocks (one per compute warpgroup)."""
-    if (blocks.block_q, blocks.block_q_bwd, blocks.block_kv_bwd) != (ROPE_ROWS,) * 3 or blocks.block_kv % ROPE_ROWS:
-        raise ValueError(f"RoPE on the Mosaic GPU kernels needs block_q = block_q_bwd = block_kv_bwd = "
-                         f"{ROPE_ROWS} and block_kv a multiple of it, got {blocks}")
+    if reason := rope_blocks_reason(blocks):
+        raise ValueError(reason)
 
 
-def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None,
+def rope_blocks_reason(blocks: MosaicBlockSizes) -> str | None:
+    """Why `blocks` cannot serve fused RoPE, or None."""
+    if (blocks.block_q, blocks.block_q_bwd, blocks.block_k_bwd) != (ROPE_ROWS,) * 3 or blocks.block_k % ROPE_ROWS:
+        return (f"RoPE on the Mosaic GPU kernels needs block_q = block_q_bwd = block_k_bwd = "
+                f"{ROPE_ROWS} and block_k a multiple of it, got {blocks}")
+    return None
+
+
+def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlockSizes, rope=None,
                   rotated: bool = False):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], padded to `blocks.tiles`, D in HEAD_DIMS; keys >=
     kv_len are padding (masked). With spec.rope, `rope` = `rope_tables(...)` covering both lengths.
@@ -742,10 +754,10 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
         raise NotImplementedError(
             "fused RoPE on the Mosaic GPU kernels cannot be vmapped (its forward shares rotated keys "
             "between CTAs through a flags Ref); fold the vmapped axis into the batch axis, or pass "
-            "implementation='pallas_triton'") from e
+            "implementation='triton'") from e
 
 
-def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rotated: bool):
+def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: MosaicBlockSizes, rotated: bool):
     batch, q_pad, num_heads, head_dim = q.shape
     kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
     own_smem = (frame.smem((2, blocks.block_q, head_dim), q.dtype),)
@@ -754,11 +766,11 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
     args = (q, k, v)
     sizes = dict(heads=num_heads, q_tiles=q_pad // blocks.q_tile, batch=batch)
     if spec.rope is not None:  # flags: fresh zeros per call
-        k_flags = jax.new_ref(jnp.zeros((batch, k.shape[2], k.shape[1] // blocks.block_kv, FLAG_WORDS), jnp.int32))
+        k_flags = jax.new_ref(jnp.zeros((batch, k.shape[2], k.shape[1] // blocks.block_k, FLAG_WORDS), jnp.int32))
         q_flags = jax.new_ref(jnp.zeros((batch, num_heads, sizes["q_tiles"], FLAG_WORDS), jnp.int32))
         args += (*rope, k_flags, q_flags)
         q_flag_rows = (plgpu.SMEM((2, FLAG_WORDS), jnp.int32), plgpu.Barrier(num_barriers=2))  # per compute warpgroup
-        scratch = (_Rotary.scratch(head_dim), _SharedKeys.scratch(blocks.stages, blocks.block_kv, head_dim),
+        scratch = (_Rotary.scratch(head_dim), _SharedKeys.scratch(blocks.num_stages, blocks.block_k, head_dim),
                    _NextHead.scratch(head_dim, q.dtype), q_flag_rows)
         own_smem += tuple(smem for smem, _ in scratch)
         own_ready = (own_ready, *(barriers for _, barriers in scratch))
@@ -766,20 +778,20 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
         sizes["heads"] += 1  # the pseudo-head first (`_NextHead`)
     out, lse, *k_q_rot = frame.launch(kernel, args, out_type, tuple(sizes[n] for n in FORWARD_GRID), FORWARD_GRID,
                                  (own_smem, own_ready),
-                                 frame.ring_scratch(blocks.stages, blocks.block_kv, head_dim, k.dtype,
+                                 frame.ring_scratch(blocks.num_stages, blocks.block_k, head_dim, k.dtype,
                                                prepared=spec.rope is not None))
     # k and q rotated are the CTAs' exchange; the backward reads them
     return (out, lse, *k_q_rot[::-1]) if rotated else (out, lse)
 
 
-def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blocks: MosaicBlocks, rope=None):
+def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blocks: MosaicBlockSizes, rope=None):
     """The gradients from the forward's statistics: P = exp2(s2 - m2) (m2 = lse2; +inf on empty
     rows), delta = rowsum(dO * O) - dlse [B, Hq, Sq] fp32. Arrays padded as for `flash_forward`
     (with zeros); with spec.rope, q and k are the forward's rotated q and k and `rope` its tables.
     -> (dq, dk, dv) in the input dtype, dk/dv per kv head."""
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
-    bq, bkv = blocks.block_q_bwd, blocks.block_kv_bwd
+    bq, bkv = blocks.block_q_bwd, blocks.block_k_bwd
     options = dict(blocks=blocks, spec=spec, group=num_heads // num_kv_heads, kv_len=kv_len)
     tables = ()
     if spec.rope is not None:
@@ -794,9 +806,9 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
     dk, dv = frame.launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
                      (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (num_kv_heads, kv_pad // (2 * bkv), batch),
                      ("heads", "k_tiles", "batch"), own(bkv, k.dtype),
-                     frame.ring_scratch(blocks.stages_bwd, bq, head_dim, q.dtype))
+                     frame.ring_scratch(blocks.num_stages_bwd, bq, head_dim, q.dtype))
     dq = frame.launch(functools.partial(_dq_kernel, **options), (q, k, v, do, m2, delta, *tables),
                  jax.ShapeDtypeStruct(q.shape, q.dtype), (num_heads, q_pad // (2 * bq), batch),
                  ("heads", "q_tiles", "batch"), own(bq, q.dtype),
-                 frame.ring_scratch(blocks.stages_bwd, bkv, head_dim, k.dtype))
+                 frame.ring_scratch(blocks.num_stages_bwd, bkv, head_dim, k.dtype))
     return dq, dk, dv

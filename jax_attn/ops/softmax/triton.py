@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.ops.common import padding, triton_tiles as tiles
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least, visible
-from jax_attn.ops.common.triton_tiles import MIN_BLOCK, rope_tables
+from jax_attn.ops.common.triton_tiles import check_launch_fields, rope_tables
 from jax_attn.ops.common.visit import block_ranges
 from jax_attn.ops.softmax import mosaic as mosaic_gpu
 
@@ -54,10 +54,8 @@ class BlockSizes:
     num_stages_bwd: int = 2
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name.startswith("block_") and (value < MIN_BLOCK or value & (value - 1)):
-                raise ValueError(f"BlockSizes.{f.name}={value} must be a power of two >= {MIN_BLOCK}")
+        check_launch_fields(self)
+
 
     def fitted(self, q_len: int, kv_len: int) -> "BlockSizes":
         """Shrink tiles that exceed the (power-of-two rounded) sequence they tile."""
@@ -109,7 +107,7 @@ class _Static:
     kv_len: int
     interpret: bool
     rope_arange: bool = False  # RoPE at positions arange: tile cos/sin by angle addition
-    mosaic: mosaic_gpu.MosaicBlocks | None = None  # run the Mosaic GPU kernels instead
+    mosaic: mosaic_gpu.MosaicBlockSizes | None = None  # run the Mosaic GPU kernels instead
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,7 +462,7 @@ def _side_info(fields, length, seg):
 
 def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None,
                            blocks: BlockSizes | None = None, interpret: bool | None = None,
-                           kernels: str = "triton", mosaic_blocks: mosaic_gpu.MosaicBlocks | None = None):
+                           kernels: str = "triton", mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (validated) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]).
 
     Segment ids [B, Sq]/[B, Sk] when spec.has_segments; RoPE positions [B, Sq]/[B, Sk] when
@@ -488,8 +486,8 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     tile_k = max(blocks.block_k, blocks.block_k_dkv, blocks.block_k_dq)
     if kernels == "mosaic_gpu":
         if reason := mosaic_gpu.unsupported_reason(spec, head_dim, q.dtype, positions=q_pos is not None):
-            raise NotImplementedError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
-        mosaic_blocks = mosaic_blocks or mosaic_gpu.default_mosaic_blocks(head_pad)
+            raise NotImplementedError(f"implementation='mosaic' cannot serve this call: {reason}")
+        mosaic_blocks = mosaic_blocks or mosaic_gpu.default_mosaic_block_sizes(head_pad)
         tile_q, tile_k = max(tile_q, mosaic_blocks.tiles[0]), max(tile_k, mosaic_blocks.tiles[1])
     else:
         mosaic_blocks = None

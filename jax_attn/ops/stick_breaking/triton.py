@@ -46,56 +46,49 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.ops.common import padding, triton_tiles as tiles
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least
-from jax_attn.ops.common.triton_tiles import MIN_BLOCK, rope_tables
+from jax_attn.ops.common.triton_tiles import check_launch_fields, rope_tables
 from jax_attn.ops.stick_breaking import mosaic as stick_breaking_mosaic
 from jax_attn.ops.stick_breaking.numerics import SP_CAP, SPENT, SPENT_FTZ
 
 
 @dataclasses.dataclass(frozen=True)
-class StickBreakingBlocks:
-    """Tiles: block_q rows (forward, dQ), block_k keys everywhere (the boundary arrays are per
-    key block, so dQ and dK/dV share it), block_q_dkv rows per dK/dV step; num_stages_dkdv for
-    the dK/dV kernel (None: num_stages)."""
+class StickBreakingBlockSizes:
+    """Tiles (the field vocabulary of `BlockSizes`): block_q rows (forward, dQ), block_k keys
+    everywhere (the boundary arrays are per key block, so dQ and dK/dV share it), block_q_dkv rows
+    per dK/dV step; num_stages_dkv for the dK/dV kernel (None: num_stages)."""
 
     block_q: int = 64
     block_k: int = 64
     block_q_dkv: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    num_stages_dkdv: int | None = None
+    num_stages_dkv: int | None = None
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "block_q_dkv"):
-            value = getattr(self, name)
-            if value < MIN_BLOCK or value & (value - 1):
-                raise ValueError(f"StickBreakingBlocks.{name}={value} must be a power of two >= {MIN_BLOCK}")
-        for name in ("num_warps", "num_stages", "num_stages_dkdv"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"StickBreakingBlocks.{name}={value} must be >= 1")
+        check_launch_fields(self)
 
-    def fitted(self, seq_len: int) -> "StickBreakingBlocks":
+    def fitted(self, seq_len: int) -> "StickBreakingBlockSizes":
         cap = pow2_at_least(seq_len)
         return dataclasses.replace(self, block_q=min(self.block_q, cap), block_k=min(self.block_k, cap),
                                    block_q_dkv=min(self.block_q_dkv, cap))
 
 
-def default_stick_breaking_blocks(head_dim: int, interpret: bool, dtype) -> StickBreakingBlocks:
+def default_stick_breaking_block_sizes(head_dim: int, interpret: bool, dtype) -> StickBreakingBlockSizes:
     if interpret:
-        return StickBreakingBlocks(16, 16, 16, 4, 1)
+        return StickBreakingBlockSizes(16, 16, 16, 4, 1)
     if jnp.dtype(dtype) == jnp.float32 or head_dim > 128:
-        return StickBreakingBlocks(32, 32, 32, 4, 2)
+        return StickBreakingBlockSizes(32, 32, 32, 4, 2)
     # 32 rows per dK/dV step: that kernel holds two [64, D] fp32 accumulators (H100, 2x8192x16x128:
     # backward 13.96 ms vs 14.90 with 64 rows; 8 warps 19-20 ms; the rest of the tiles: SWEEP).
     # It waits on its loads most (ncu: long scoreboard) and a third stage hides them: 5.27 -> 4.90
     # ms (4 stages: 4.90; 64 rows 16.5, 16 rows 6.1; the tile query-major instead: 8.2 to 9.3)
-    return StickBreakingBlocks(64, 64, 32, 4, 2, num_stages_dkdv=3)
+    return StickBreakingBlockSizes(64, 64, 32, 4, 2, num_stages_dkv=3)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
     spec: AttentionSpec  # scale, rope, precision (causal is implied)
-    blocks: StickBreakingBlocks
+    blocks: StickBreakingBlockSizes
     interpret: bool
     dtype: jnp.dtype  # of q, k, v
     mosaic: bool = False  # the forward on the Mosaic GPU kernel (`stick_breaking_mosaic`)
@@ -651,7 +644,7 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
     blocks = st.blocks
     params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     dkdv_params = plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                       num_stages=blocks.num_stages_dkdv or blocks.num_stages)
+                                       num_stages=blocks.num_stages_dkv or blocks.num_stages)
     bq, bk = blocks.block_q, blocks.block_k
     num_k_blocks = seq_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
@@ -782,7 +775,7 @@ _stick_breaking.defvjp(_stick_breaking_fwd, _stick_breaking_bwd)
 
 
 def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
-                          blocks: StickBreakingBlocks | None = None, interpret: bool | None = None,
+                          blocks: StickBreakingBlockSizes | None = None, interpret: bool | None = None,
                           forward: str = "pallas_triton", skip_spent: bool = True):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D], decay [Hq] fp32 (validated) -> (out, rem [B, Hq, S]).
 
@@ -802,9 +795,9 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
         raise ValueError(f"forward must be 'pallas_triton' or 'mosaic_gpu', got {forward!r}")
     mosaic = forward == "mosaic_gpu"
     if mosaic and (reason := stick_breaking_mosaic.unsupported_reason(spec, head_dim, q.dtype)):
-        raise NotImplementedError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
+        raise NotImplementedError(f"implementation='mosaic' cannot serve this call: {reason}")
     if blocks is None:
-        blocks = default_stick_breaking_blocks(head_pad, interpret, q.dtype)
+        blocks = default_stick_breaking_block_sizes(head_pad, interpret, q.dtype)
     if mosaic:  # S is padded to the forward's tile instead of fitting the tiles to S
         if blocks.block_k != stick_breaking_mosaic.BLOCK:
             raise ValueError(f"the Mosaic GPU forward stores its sums per {stick_breaking_mosaic.BLOCK} keys: "

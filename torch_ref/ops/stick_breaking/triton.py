@@ -57,46 +57,43 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton_tiles import (INTERPRETED, device_ctx, load_2d, load_own, load_rotated, precision, rope_args,
-                                   store_unrotated)
+from ..common.triton_tiles import (INTERPRETED, block_d, check_launch_fields, device_ctx, load_2d, load_own, load_rotated,
+                                   precision, rope_args, store_unrotated)
 
-__all__ = ["StickBreakingConfig", "default_config", "forward", "backward", "StickBreakingFn", "INTERPRETED"]
+__all__ = ["StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "forward", "backward", "StickBreakingFn", "INTERPRETED"]
 
 
 # ----------------------------------------------------------------------------------------------
 # Block configuration
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class StickBreakingConfig:
-    """Tile sizes and launch parameters.
+class StickBreakingBlockSizes:
+    """Tile sizes and launch parameters (the field vocabulary of `BlockSizes`).
 
-    forward: program = block_m query rows, walking key tiles of block_n.
-    dQ:      program = dq_block_m query rows, walking key tiles of bwd_block_n.
-    dK/dV:   program = bwd_block_n keys, looping over query tiles of dkdv_block_m (all GQA heads).
-    bwd_block_n is shared by the two backward kernels: the boundary arrays are per key block.
-    block_d is the head dim rounded up to a power of two (>= 16, the tl.dot minimum). Any
-    power-of-two sizes >= 16 work together (no divisibility between them is assumed).
+    forward: program = block_q query rows, walking key tiles of block_k (num_warps, num_stages).
+    dQ:      program = block_q_dq query rows, walking key tiles of block_k_bwd.
+    dK/dV:   program = block_k_bwd keys, looping over query tiles of block_q_dkv (all GQA heads).
+    block_k_bwd is shared by the two backward kernels (launched with num_warps_bwd,
+    num_stages_bwd): the boundary arrays are per key block. Any power-of-two sizes >= 16 work
+    together (no divisibility between them is assumed). The head dim tile is not a field
+    (`block_d`: the head dim rounded up to a power of two).
     """
 
-    block_d: int
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    bwd_block_n: int
-    dq_block_m: int
-    dkdv_block_m: int
-    bwd_num_warps: int
-    bwd_num_stages: int
+    block_q: int = 64
+    block_k: int = 32
+    block_q_dq: int = 64
+    block_k_bwd: int = 64
+    block_q_dkv: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 2
 
     def __post_init__(self):
-        for name in ("block_d", "block_m", "block_n", "bwd_block_n", "dq_block_m", "dkdv_block_m"):
-            val = getattr(self, name)
-            if val < 16 or val & (val - 1):
-                raise ValueError(f"StickBreakingConfig.{name}={val} must be a power of two >= 16")
+        check_launch_fields(self)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBreakingConfig:
+def default_stick_breaking_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBreakingBlockSizes:
     """16-bit tiles chosen by timing on an H100 (bf16, 2x8192x16xD, per-head decay; session 9,
     `benchmarks/results/torch-sb-sweep-s9-2026-11-22.txt`); fp32 tiles by register pressure only.
 
@@ -110,21 +107,23 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBrea
     they spill (ptxas -v, sm_90a, Triton 3.6): up to 1 KB a thread at head dim 128 (backward), 9.5 KB
     (dQ) at 256. The interpreter gets small tiles so that the CPU tests stay fast.
     """
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    padded = block_d(head_dim)
+    fields = ("block_q", "block_k", "num_warps", "num_stages", "block_k_bwd", "block_q_dq", "block_q_dkv",
+              "num_warps_bwd", "num_stages_bwd")
     if not on_gpu:
-        return StickBreakingConfig(block_d, 16, 32, 4, 1, 32, 16, 16, 4, 1)
+        return StickBreakingBlockSizes(**dict(zip(fields, (16, 32, 4, 1, 32, 16, 16, 4, 1))))
     wide = dtype == torch.float32
-    # (block_m, block_n, warps, stages), (bwd_block_n, dq_block_m, dkdv_block_m, warps, stages)
-    if block_d <= 64:
+    # (block_q, block_k, warps, stages), (block_k_bwd, block_q_dq, block_q_dkv, warps, stages)
+    if padded <= 64:
         fwd = (64, 64, 4, 2) if not wide else (64, 32, 8, 2)
         bwd = (64, 64, 32, 4, 2) if not wide else (32, 32, 32, 8, 2)
-    elif block_d <= 128:
+    elif padded <= 128:
         fwd = (64, 32, 4, 3) if not wide else (32, 32, 8, 2)
         bwd = (64, 64, 32, 4, 2) if not wide else (32, 16, 16, 8, 2)
     else:  # 256
         fwd = (64, 32, 4, 2) if not wide else (16, 32, 8, 1)
         bwd = (32, 32, 32, 4, 2) if not wide else (16, 16, 16, 8, 1)
-    return StickBreakingConfig(block_d, *fwd, *bwd)
+    return StickBreakingBlockSizes(**dict(zip(fields, (*fwd, *bwd))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -617,7 +616,7 @@ def _sb_bwd_dkdv_kernel(Q, K, V, DO, DK, DV, CB, PB, DECAY, THETA, QPOS, KPOS,
 # Launch wrappers
 # ----------------------------------------------------------------------------------------------
 def _config(q: torch.Tensor, config):
-    return config or default_config(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
+    return config or default_stick_breaking_block_sizes(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
 
 
 def _decay_args(decay, q):
@@ -628,7 +627,7 @@ def _decay_args(decay, q):
 
 
 def forward(q, k, v, *, scale: float, decay=None, rope=None, q_pos=None, kv_pos=None,
-            config: StickBreakingConfig | None = None):
+            config: StickBreakingBlockSizes | None = None):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] -> (out [B, S, Hq, D] in q.dtype, rem [B, Hq, S] fp32).
 
     decay: None or a contiguous fp32 tensor [Hq] (lambda per head). rope: a `torch_ref.Rope` or
@@ -644,19 +643,19 @@ def forward(q, k, v, *, scale: float, decay=None, rope=None, q_pos=None, kv_pos=
         return out, rem.fill_(1.0)
     decay_ptr, has_decay = _decay_args(decay, q)
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
-    grid = (triton.cdiv(S, cfg.block_m), Hq, B)
+    grid = (triton.cdiv(S, cfg.block_q), Hq, B)
     with device_ctx(q):
         _sb_fwd_kernel[grid](
             q, k, v, out, rem, decay_ptr, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *rope_strides,
             Hq, Hq // Hkv, S, scale,
-            HEAD_DIM=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, HAS_DECAY=has_decay,
+            HEAD_DIM=D, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, BLOCK_D=block_d(D), HAS_DECAY=has_decay,
             PRECISION=precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **rope_flags)
     return out, rem
 
 
 def backward(do, q, k, v, rem, *, scale: float, drem=None, decay=None, decay_grad: bool = False, rope=None,
-             q_pos=None, kv_pos=None, config: StickBreakingConfig | None = None):
+             q_pos=None, kv_pos=None, config: StickBreakingBlockSizes | None = None):
     """Gradients (dq, dk, dv, ddecay_rows) from dO [B, S, Hq, D], the forward's rem and optionally
     the cotangent drem [B, Hq, S] of rem (the forward's out is not needed).
 
@@ -674,26 +673,26 @@ def backward(do, q, k, v, rem, *, scale: float, drem=None, decay=None, decay_gra
         return dq.zero_(), dk.zero_(), dv.zero_(), ddec
     # the prefix sums of g start at drem_i * rem_i (d rem_i / d z_ij = -rem_i sigma_ij)
     p0 = None if drem is None else (drem.float() * rem).contiguous()
-    nkb = triton.cdiv(S, cfg.bwd_block_n)
+    nkb = triton.cdiv(S, cfg.block_k_bwd)
     # Running sums at the key-block boundaries, written by the dQ kernel, read by the dK/dV kernel
     # (only entries the dQ kernel wrote are read: empty is enough).
     cb = torch.empty((B, Hq, nkb, S), dtype=torch.float32, device=q.device)
     pb = torch.empty((B, Hq, nkb, S), dtype=torch.float32, device=q.device)
     decay_ptr, has_decay = _decay_args(decay, q)
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
-    common = dict(HEAD_DIM=D, BLOCK_N=cfg.bwd_block_n, BLOCK_D=cfg.block_d, HAS_DECAY=has_decay,
-                  PRECISION=precision(q.dtype), num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+    common = dict(HEAD_DIM=D, BLOCK_N=cfg.block_k_bwd, BLOCK_D=block_d(D), HAS_DECAY=has_decay,
+                  PRECISION=precision(q.dtype), num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd,
                   **rope_flags)
     with device_ctx(q):
-        _sb_bwd_dq_kernel[(triton.cdiv(S, cfg.dq_block_m), Hq, B)](
+        _sb_bwd_dq_kernel[(triton.cdiv(S, cfg.block_q_dq), Hq, B)](
             q, k, v, do, rem if p0 is None else p0, dq, ddec if decay_grad else rem, cb, pb, decay_ptr,
             *rope_ptrs, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *rope_strides,
-            Hq, Hq // Hkv, S, nkb, scale, BLOCK_M=cfg.dq_block_m, DECAY_GRAD=bool(decay_grad),
+            Hq, Hq // Hkv, S, nkb, scale, BLOCK_M=cfg.block_q_dq, DECAY_GRAD=bool(decay_grad),
             HAS_P0=p0 is not None, **common)
         _sb_bwd_dkdv_kernel[(nkb, Hkv, B)](
             q, k, v, do, dk, dv, cb, pb, decay_ptr, *rope_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *rope_strides,
-            Hq, Hq // Hkv, S, nkb, scale, BLOCK_M=cfg.dkdv_block_m, **common)
+            Hq, Hq // Hkv, S, nkb, scale, BLOCK_M=cfg.block_q_dkv, **common)
     return dq, dk, dv, ddec
 
 
@@ -705,7 +704,7 @@ class StickBreakingFn(torch.autograd.Function):
     and the decay tensor (when one is given: `decay_t`, its own shape and dtype)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, decay_t, decay_value, scale, rope, q_pos, kv_pos):
+    def forward(ctx, q, k, v, decay_t, decay_value, scale, rope, q_pos, kv_pos, config=None):
         Hq = q.shape[2]
         if decay_t is not None:
             lam = decay_t.detach().to(torch.float32).reshape(-1).expand(Hq).contiguous()
@@ -713,9 +712,9 @@ class StickBreakingFn(torch.autograd.Function):
             lam = torch.full((Hq,), decay_value, dtype=torch.float32, device=q.device)
         else:
             lam = None
-        out, rem = forward(q, k, v, scale=scale, decay=lam, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+        out, rem = forward(q, k, v, scale=scale, decay=lam, rope=rope, q_pos=q_pos, kv_pos=kv_pos, config=config)
         ctx.save_for_backward(q, k, v, rem, lam, q_pos, kv_pos)
-        ctx.opts = dict(scale=scale, rope=rope)
+        ctx.opts = dict(scale=scale, rope=rope, config=config)
         ctx.decay_meta = None if decay_t is None else (tuple(decay_t.shape), decay_t.dtype)
         ctx.set_materialize_grads(False)
         return out, rem
@@ -737,4 +736,4 @@ class StickBreakingFn(torch.autograd.Function):
             shape, dtype = ctx.decay_meta
             per_head = ddecay_rows.to(torch.float64).sum(dim=(0, 2))  # [Hq]
             ddecay = (per_head.sum() if shape == () else per_head).to(dtype).reshape(shape)
-        return dq, dk, dv, ddecay, None, None, None, None, None
+        return dq, dk, dv, ddecay, None, None, None, None, None, None
