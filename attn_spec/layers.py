@@ -108,10 +108,10 @@ def check_positions_shape(shape, batch: int, length: int) -> None:
 
 
 def check_layer_args(d_model, num_heads, num_kv_heads=None, *, attention="softmax", position="none",
-                     rope=None, causal=False, window=None, softcap=None, decay=0.0,
+                     rope=Rope(), causal=False, window=None, softcap=None, decay=0.0,
                      learn_decay=False) -> LayerSpec:
-    """Validate a self-attention layer's arguments (the layers' own defaults: rope=Rope() is the
-    neutral value, as None is, where position != "rope"); -> the `LayerSpec`."""
+    """Validate a self-attention layer's arguments (with the layers' defaults); -> the `LayerSpec`.
+    Where position != "rope", rope must be the default `Rope()` or None."""
     d_model = positive_int("d_model", d_model)
     num_heads = positive_int("num_heads", num_heads)
     num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)

@@ -10,7 +10,9 @@ without a mapping, any torch parameter left unmatched, a module-type mismatch or
 raises `BridgeError` before anything is written. Values are cast to the destination parameter's
 dtype (float32 -> float64 is exact: that is how the float64 golden twin gets its weights). Only
 `nnx.Param` variables and torch parameters move (no buffers / other nnx variables: the layers here
-have none).
+have none). The layers' parameters are the same for every `attention=` / `position=` choice except
+the learned stick-breaking decay (`attention="stick_breaking", learn_decay=True`): the per-head
+`decay_logit` of `MultiHeadSelfAttention`, same name and layout in both frameworks.
 
 Arrays: `to_torch(x)` / `to_jax(t)` exchange through DLPack without a copy when the array and the
 destination sit on the same device (CPU <-> CPU, GPU i <-> cuda:i) and through a host copy

@@ -1,9 +1,10 @@
-"""Layer-level parity: `jax_attn.nn.layers` against their `torch_ref.layers` twins, and a training run.
+"""Layer-level parity: `jax_attn.nn.layers` against their `torch_ref.nn.layers` twins, and a training run.
 
 Layer cases (`kind` "attention" = MultiHeadSelfAttention, "encoder" = EncoderBlock), for the
-position schemes "none", "absolute", "rope", "exposb": the Flax layer is built from the case's seed (every
-parameter then shifted by seeded noise, so biases and LayerNorm parameters are not 0/1 and a
-swapped copy could not go unnoticed), copied to the torch twin by `parity.bridge`; identical
+attention kinds "softmax", "stick_breaking" and the position schemes "none", "absolute", "rope":
+the Flax layer is built from the case's seed (every parameter then shifted by seeded noise, so
+biases and LayerNorm parameters are not 0/1 and a swapped copy could not go unnoticed), copied to
+the torch twin by `parity.bridge`; identical
 NumPy input x and output cotangent go to both; compared are the output, dx and the gradient of
 EVERY parameter (quantity "d <torch name>"), each with the tolerance rule of `parity.tolerance`:
   golden = the torch twin in float64, implementation="eager" (weights copied as float64);
@@ -16,15 +17,15 @@ float64 ("xla", weights from the torch golden through `torch_to_flax`) agrees wi
 1e-10: the cross-framework check of the layers' definitions (PE, RoPE, LayerNorm, GELU, heads).
 
 The training cases ("train"): a tiny encoder (embedding-free: 2 EncoderBlocks + a linear head,
-d_model 32, 4 heads, seq 16, batch 4, causal; absolute positions, or ExpoSB with a learned
-per-head decay) regresses a synthetic target
+d_model 32, 4 heads, seq 16, batch 4, causal; softmax with absolute positions, or stick-breaking
+with RoPE and a learned per-head decay) regresses a synthetic target
 (the running mean of the first input features, which needs attention) with plain SGD, 20 steps,
 the same learning rate, identical initial weights (bridge) and identical batches in both
 frameworks; the loss of every step must pass the rule (golden: the float64 torch eager run; one
 allowance for the whole trajectory, see `_training_rows`), and the float64 JAX run must agree
 with the golden to 1e-10 at every step.
 
-CPU cost (the kernels run through interpreters there): only cases with `cpu_kernels=True` -- two
+CPU cost (the kernels run through interpreters there): only cases with `cpu_kernels=True` -- three
 layer cases -- run "jax pallas_triton" / "torch triton" on CPU; on a GPU every case runs them.
 The training run on CPU uses the plain implementations only ("xla", "eager", plus the row
 "jax xla (naive: torch eager)"): through the interpreter the Triton kernels need ~1 s per
@@ -56,10 +57,9 @@ from torch import nn  # noqa: E402
 
 import jax_attn.nn.layers as jl  # noqa: E402
 import torch_ref.nn.layers as tl  # noqa: E402
-from jax_attn.ops.common.rope import Rope as JaxRope  # noqa: E402
+from attn_spec.rope import Rope  # noqa: E402
 from parity import bridge  # noqa: E402
 from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare  # noqa: E402
-from torch_ref.ops.common.rope import Rope as TorchRope  # noqa: E402
 
 GOLDEN_AGREEMENT = 1e-10
 NP_DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -80,11 +80,12 @@ PARAM_NOISE = 0.1
 class LayerCase:
     name: str
     kind: str  # "attention" | "encoder" | "train"
-    position: str  # "none" | "absolute" | "rope" | "exposb"
+    position: str  # "none" | "absolute" | "rope"
     shape: tuple[int, int, int, int, int]  # batch, seq, d_model, num_heads, num_kv_heads
+    attention: str = "softmax"  # "softmax" | "stick_breaking"
     d_ff: int = 64
     dtype: str = "float32"
-    kwargs: tuple[tuple[str, Any], ...] = ()  # causal / window / softcap
+    kwargs: tuple[tuple[str, Any], ...] = ()  # causal / window / softcap / decay / learn_decay
     rope_style: str = "interleaved"  # position="rope": Rope(style=...) in both frameworks
     packed: bool = False  # segment ids + positions restarting in every segment
     cpu_kernels: bool = False  # run the fast (interpreted) implementations on CPU too
@@ -97,11 +98,12 @@ class LayerCase:
     gpu: bool = False
     quick: bool = False
 
-    def layer_kwargs(self, framework: str) -> dict:
-        """Constructor keywords shared by the twins (the Rope config is per framework)."""
-        kwargs = dict(num_kv_heads=self.shape[4], position=self.position, **dict(self.kwargs))
-        if self.position in ("rope", "exposb"):
-            kwargs["rope"] = (JaxRope if framework == "jax" else TorchRope)(style=self.rope_style)
+    def layer_kwargs(self) -> dict:
+        """Constructor keywords of the twins (the same in both frameworks: `Rope` is shared)."""
+        kwargs = dict(num_kv_heads=self.shape[4], attention=self.attention, position=self.position,
+                      **dict(self.kwargs))
+        if self.position == "rope":
+            kwargs["rope"] = Rope(style=self.rope_style)
         return kwargs
 
 
@@ -120,11 +122,16 @@ LAYER_CASES: list[LayerCase] = [
           kwargs=(("causal", True),), cpu_kernels=True, quick=True),
     _case("train_encoder_absolute", "train", "absolute", (4, 16, 32, 4, 4), kwargs=(("causal", True),),
           quick=True),
-    _case("layer_attention_exposb_learned_decay", "attention", "exposb", (2, 16, 32, 4, 2),
-          kwargs=(("causal", True), ("decay", 0.05), ("learn_decay", True)), cpu_kernels=True, quick=True),
-    _case("layer_encoder_exposb_half", "encoder", "exposb", (2, 16, 32, 4, 4), rope_style="half",
-          kwargs=(("causal", True), ("decay", 0.02))),
-    _case("train_encoder_exposb", "train", "exposb", (4, 16, 32, 4, 2),
+    _case("layer_attention_sb_rope_learned_decay", "attention", "rope", (2, 16, 32, 4, 2),
+          attention="stick_breaking", kwargs=(("causal", True), ("decay", 0.05), ("learn_decay", True)),
+          cpu_kernels=True, quick=True),
+    _case("layer_encoder_sb_rope_half", "encoder", "rope", (2, 16, 32, 4, 4), attention="stick_breaking",
+          rope_style="half", kwargs=(("causal", True), ("decay", 0.02))),
+    _case("layer_attention_sb_none", "attention", "none", (2, 16, 32, 4, 2), attention="stick_breaking",
+          kwargs=(("causal", True),)),
+    _case("layer_encoder_sb_absolute", "encoder", "absolute", (2, 16, 32, 4, 1), attention="stick_breaking",
+          kwargs=(("causal", True), ("decay", 0.03))),
+    _case("train_encoder_sb_rope", "train", "rope", (4, 16, 32, 4, 2), attention="stick_breaking",
           kwargs=(("causal", True), ("decay", 0.1), ("learn_decay", True))),
 ]
 
@@ -160,7 +167,7 @@ class FlaxTinyEncoder(nnx.Module):
         d_model, heads = case.shape[2], case.shape[3]
         self.blocks = nnx.List([
             jl.EncoderBlock(d_model, heads, case.d_ff, implementation=implementation, dtype=dtype,
-                            param_dtype=dtype, rngs=rngs, **case.layer_kwargs("jax"))
+                            param_dtype=dtype, rngs=rngs, **case.layer_kwargs())
             for _ in range(case.num_blocks)])
         self.head = nnx.Linear(d_model, case.d_out, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
@@ -178,7 +185,7 @@ class TorchTinyEncoder(nn.Module):
         d_model, heads = case.shape[2], case.shape[3]
         self.blocks = nn.ModuleList([
             tl.EncoderBlock(d_model, heads, case.d_ff, implementation=implementation, dtype=dtype,
-                            param_dtype=dtype, device=device, **case.layer_kwargs("torch"))
+                            param_dtype=dtype, device=device, **case.layer_kwargs())
             for _ in range(case.num_blocks)])
         self.head = nn.Linear(d_model, case.d_out, dtype=dtype, device=device)
 
@@ -195,10 +202,10 @@ def build_flax(case: LayerCase, implementation: str, dtype: str = "float32"):
         return FlaxTinyEncoder(case, implementation=implementation, dtype=jdt, rngs=rngs)
     if case.kind == "encoder":
         return jl.EncoderBlock(d_model, heads, case.d_ff, implementation=implementation, dtype=jdt,
-                               param_dtype=jdt, rngs=rngs, **case.layer_kwargs("jax"))
+                               param_dtype=jdt, rngs=rngs, **case.layer_kwargs())
     if case.kind == "attention":
         return jl.MultiHeadSelfAttention(d_model, heads, implementation=implementation, dtype=jdt,
-                                         param_dtype=jdt, rngs=rngs, **case.layer_kwargs("jax"))
+                                         param_dtype=jdt, rngs=rngs, **case.layer_kwargs())
     raise ValueError(f"unknown layer case kind={case.kind!r}")
 
 
@@ -209,10 +216,10 @@ def build_torch(case: LayerCase, implementation: str, dtype: str, device):
         return TorchTinyEncoder(case, implementation=implementation, dtype=tdt, device=device)
     if case.kind == "encoder":
         return tl.EncoderBlock(d_model, heads, case.d_ff, implementation=implementation, dtype=tdt,
-                               param_dtype=tdt, device=device, **case.layer_kwargs("torch"))
+                               param_dtype=tdt, device=device, **case.layer_kwargs())
     if case.kind == "attention":
         return tl.MultiHeadSelfAttention(d_model, heads, implementation=implementation, dtype=tdt,
-                                         param_dtype=tdt, device=device, **case.layer_kwargs("torch"))
+                                         param_dtype=tdt, device=device, **case.layer_kwargs())
     raise ValueError(f"unknown layer case kind={case.kind!r}")
 
 

@@ -1,15 +1,18 @@
-"""Layer level: jax_attn.nn.layers / torch_ref.layers twins, positions, the parameter and array bridge,
-the flax attention_fn adapter, and the layer parity cases of parity.layers (tolerance rule against
-a float64 golden, every parameter gradient, a 20-step training run).
+"""Layer level: jax_attn.nn.layers / torch_ref.nn.layers twins and their shared argument checks
+(attn_spec.layers), positions (attn_spec.positions), the parameter and array bridge, the flax
+attention_fn adapter, and the layer parity cases of parity.layers (tolerance rule against a float64
+golden, every parameter gradient, a 20-step training run).
 
 CPU: the kernels go through the Pallas and Triton interpreters (see tests/conftest.py), only in the
 cases that ask for them. Tests that use position="rope" need the fused RoPE option of
-`flash_attention` in both frameworks (rope=, positions=).
+`flash_attention` and `stick_breaking_attention` in both frameworks (rope=, positions=).
 """
 from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -24,12 +27,15 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from torch import nn  # noqa: E402
 
+import attn_spec.positions as sp  # noqa: E402
 import jax_attn.nn.layers as jl  # noqa: E402
 import jax_attn.nn.positions as jp  # noqa: E402
 import jax_attn.ops.common.rope as jrope  # noqa: E402
 import torch_ref.nn.layers as tl  # noqa: E402
 import torch_ref.nn.positions as tp  # noqa: E402
 import torch_ref.ops.common.rope as trope  # noqa: E402
+from attn_spec.layers import check_layer_args  # noqa: E402
+from attn_spec.rope import Rope  # noqa: E402
 from parity import bridge  # noqa: E402
 from parity import layers as pl  # noqa: E402
 
@@ -44,19 +50,15 @@ def _exact_fp32():
 
 def _pair(kind="encoder", position="none", d_model=32, heads=4, kv_heads=2, seed=0, **kw):
     """A perturbed fp32 Flax layer ("xla") and its torch twin ("eager") holding the same weights."""
-    jkw, tkw = dict(kw), dict(kw)
+    kw = dict(kw, num_kv_heads=kv_heads, position=position)
     if position == "rope":
-        jkw["rope"], tkw["rope"] = jrope.Rope(), trope.Rope()
+        kw.setdefault("rope", Rope())
     if kind == "encoder":
-        f = jl.EncoderBlock(d_model, heads, 48, num_kv_heads=kv_heads, position=position, implementation="xla",
-                            rngs=nnx.Rngs(seed), **jkw)
-        t = tl.EncoderBlock(d_model, heads, 48, num_kv_heads=kv_heads, position=position, implementation="eager",
-                            device=DEVICE, **tkw)
+        f = jl.EncoderBlock(d_model, heads, 48, implementation="xla", rngs=nnx.Rngs(seed), **kw)
+        t = tl.EncoderBlock(d_model, heads, 48, implementation="eager", device=DEVICE, **kw)
     else:
-        f = jl.MultiHeadSelfAttention(d_model, heads, num_kv_heads=kv_heads, position=position,
-                                      implementation="xla", rngs=nnx.Rngs(seed), **jkw)
-        t = tl.MultiHeadSelfAttention(d_model, heads, num_kv_heads=kv_heads, position=position,
-                                      implementation="eager", device=DEVICE, **tkw)
+        f = jl.MultiHeadSelfAttention(d_model, heads, implementation="xla", rngs=nnx.Rngs(seed), **kw)
+        t = tl.MultiHeadSelfAttention(d_model, heads, implementation="eager", device=DEVICE, **kw)
     pl.perturb(f, seed + 1)
     bridge.flax_to_torch(f, t)
     return f, t
@@ -93,6 +95,25 @@ def test_sinusoidal_table_matches_formula(dim):
     assert jp.sinusoidal_positions(5, dim, jnp.bfloat16).dtype == jnp.bfloat16
 
 
+def test_sinusoidal_formula_is_written_once():
+    """attn_spec.positions evaluated with NumPy in float64 is the formula; both frameworks evaluate
+    the same definition with their own ops (same float32 results on the same positions)."""
+    want = _pe_direct(40, 16)
+    spec64 = sp.sinusoidal_encoding(np.arange(40, dtype=np.float64), np.arange(8, dtype=np.float64), np)
+    np.testing.assert_allclose(spec64, want, atol=1e-12, rtol=0)
+    spec32 = sp.sinusoidal_encoding(np.arange(40, dtype=np.float32), np.arange(8, dtype=np.float32), np)
+    assert spec32.dtype == np.float32 and spec32.shape == (40, 16)
+    np.testing.assert_allclose(np.asarray(jp.sinusoidal_positions(40, 16)), tp.sinusoidal_positions(40, 16).numpy(),
+                               atol=1e-6, rtol=0)
+
+
+def test_attn_spec_imports_neither_framework():
+    code = ("import sys, attn_spec.layers, attn_spec.positions, attn_spec.rope; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'torch', 'flax', 'triton')); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
 def test_sinusoidal_at_gathers_the_table():
     pos = np.array([[0, 3, 7, 7], [39, 1, 0, 2]])
     np.testing.assert_allclose(np.asarray(jp.sinusoidal_at(jnp.asarray(pos), 16)),
@@ -107,6 +128,15 @@ def test_sinusoidal_rejects_bad_dim(dim):
         jp.sinusoidal_positions(4, dim)
     with pytest.raises(ValueError, match="even dim"):
         tp.sinusoidal_positions(4, dim)
+
+
+@pytest.mark.parametrize("length", [-1, 2.0, True])
+def test_sinusoidal_rejects_bad_length(length):
+    with pytest.raises(ValueError, match="length must be a non-negative int"):
+        jp.sinusoidal_positions(length, 8)
+    with pytest.raises(ValueError, match="length must be a non-negative int"):
+        tp.sinusoidal_positions(length, 8)
+    assert jp.sinusoidal_positions(0, 8).shape == (0, 8) and tp.sinusoidal_positions(0, 8).shape == (0, 8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,6 +154,16 @@ def test_bridge_maps_every_parameter_once():
     np.testing.assert_array_equal(t.mlp_in.weight.detach().cpu().numpy(), np.asarray(f.mlp_in.kernel.get_value()).T)
     np.testing.assert_array_equal(t.ln1.weight.detach().cpu().numpy(), np.asarray(f.ln1.scale.get_value()))
     np.testing.assert_array_equal(t.ln2.bias.detach().cpu().numpy(), np.asarray(f.ln2.bias.get_value()))
+
+
+def test_bridge_maps_the_learned_decay():
+    f, t = _pair("attention", "rope", attention="stick_breaking", causal=True, decay=0.2, learn_decay=True)
+    pairs = {name: path for path, name, _ in bridge.param_pairs(f, t)}
+    assert pairs["decay_logit"] == ("decay_logit",) and len(pairs) == 9
+    np.testing.assert_array_equal(t.decay_logit.detach().cpu().numpy(), np.asarray(f.decay_logit.get_value()))
+    softmax = tl.MultiHeadSelfAttention(32, 4, num_kv_heads=2, device=DEVICE)  # no decay_logit
+    with pytest.raises(bridge.BridgeError, match="decay_logit: missing in the torch module"):
+        bridge.flax_to_torch(f, softmax)
 
 
 def test_bridge_round_trip_is_exact():
@@ -227,10 +267,16 @@ def test_array_exchange_float64_and_copies():
 # ------------------------------------------------------------------------------------------------
 # The layers
 # ------------------------------------------------------------------------------------------------
+SB = dict(attention="stick_breaking", causal=True)
+
+
 @pytest.mark.parametrize("kind,position,kwargs,explicit", [
     ("attention", "absolute", dict(causal=True), True),
     ("encoder", "none", dict(softcap=4.0), False),
     ("encoder", "rope", dict(window=(3, 1)), True),
+    ("attention", "rope", dict(SB, decay=0.1, rope=Rope(style="half")), True),
+    ("encoder", "none", dict(SB, decay=0.05, learn_decay=True), False),
+    ("encoder", "absolute", SB, True),
 ])
 def test_layer_outputs_match(kind, position, kwargs, explicit):
     """Forward outputs of the twins agree (explicit, unsorted positions here; gradients and the
@@ -295,38 +341,78 @@ FRAMEWORKS = {
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("args,kwargs,error,match", [
     ((32, 4), dict(position="alibi"), ValueError, r"unknown position='alibi'; choose one of"),
+    ((32, 4), dict(position="exposb"), ValueError,
+     r"unknown position='exposb'; choose one of \('none', 'absolute', 'rope'\)"),
+    ((32, 4), dict(attention="flash"), ValueError,
+     r"unknown attention='flash'; choose one of \('softmax', 'stick_breaking'\)"),
     ((30, 4), {}, ValueError, r"d_model \(30\) must be divisible by num_heads \(4\)"),
     ((32, 4), dict(num_kv_heads=3), ValueError, r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
     ((32, 0), {}, ValueError, r"num_heads must be a positive int"),
     ((18, 2), dict(position="rope"), ValueError, r"position='rope' needs an even head dim"),
     ((9, 3), dict(position="absolute"), ValueError, r"position='absolute' needs an even d_model"),
-    ((32, 4), dict(position="exposb"), ValueError, r"position='exposb' \(stick-breaking\) is strictly causal"),
-    ((32, 4), dict(position="exposb", causal=True, window=(3, 0)), ValueError, "takes no window or softcap"),
-    ((32, 4), dict(position="exposb", causal=True, decay=-1.0), ValueError, "decay must be a finite float >= 0"),
-    ((32, 4), dict(position="exposb", causal=True, learn_decay=True), ValueError, "learn_decay=True needs decay > 0"),
-    ((32, 4), dict(position="none", decay=0.1), ValueError, "belong to position='exposb'"),
-    ((18, 2), dict(position="exposb", causal=True), ValueError, r"position='exposb' needs an even head dim"),
+    ((32, 4), dict(attention="stick_breaking"), ValueError,
+     r"attention='stick_breaking' is strictly causal: pass causal=True"),
+    ((32, 4), dict(SB, window=(3, 0)), ValueError, r"attention='stick_breaking' does not take window=\(3, 0\)$"),
+    ((32, 4), dict(SB, softcap=2.0, window=(1, 1)), ValueError, r"does not take window=\(1, 1\), softcap=2.0$"),
+    ((32, 4), dict(SB, decay=-1.0), ValueError, "decay must be a finite float >= 0, got decay=-1.0"),
+    ((32, 4), dict(SB, decay=float("nan")), ValueError, "decay must be a finite float >= 0"),
+    ((32, 4), dict(SB, learn_decay=True), ValueError, "learn_decay=True needs decay > 0"),
+    ((32, 4), dict(decay=0.1), ValueError, r"attention='softmax' does not take decay=0.1$"),
+    ((32, 4), dict(position="rope", learn_decay=True, decay=0.1), ValueError,
+     r"attention='softmax' does not take decay=0.1, learn_decay=True$"),
+    ((18, 2), dict(SB, position="rope"), ValueError, r"position='rope' needs an even head dim"),
+    ((32, 4), dict(rope=Rope(style="half")), ValueError,
+     r"rope=Rope\(.*style='half'\) applies to position='rope' only, not position='none'"),
+    ((32, 4), dict(position="rope", rope="half"), TypeError, r"rope must be a Rope \(attn_spec.rope.Rope.*got str"),
 ])
 def test_constructor_errors(framework, args, kwargs, error, match):
     with pytest.raises(error, match=match):
         FRAMEWORKS[framework](*args, **kwargs)
 
 
-def test_exposb_learned_decay_starts_at_decay():
-    f = jl.MultiHeadSelfAttention(32, 4, position="exposb", causal=True, decay=0.3, learn_decay=True,
-                                  rngs=nnx.Rngs(0))
-    t = tl.MultiHeadSelfAttention(32, 4, position="exposb", causal=True, decay=0.3, learn_decay=True)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("args,kwargs", [
+    ((18, 2), dict(SB)),  # odd head dim (9): fine without RoPE
+    ((32, 4), dict(SB, position="rope", window=None, softcap=None, decay=1e-3, learn_decay=True)),
+    ((32, 4), dict(decay=0.0, learn_decay=False, window=(0, 0), softcap=1.0, causal=True)),
+    ((32, 4), dict(SB, position="absolute", rope=Rope())),  # the default Rope is neutral
+    ((20, 2), dict(position="rope", num_kv_heads=1)),  # head dim 10: even
+])
+def test_constructor_boundaries_pass(framework, args, kwargs):
+    module = FRAMEWORKS[framework](*args, **kwargs)
+    spec = module.spec if hasattr(module, "spec") else module.attn.spec
+    assert spec == check_layer_args(*args, **kwargs)
+    assert spec.attention == kwargs.get("attention", "softmax") and spec.position == kwargs.get("position", "none")
+
+
+def test_twins_share_one_spec():
+    f, t = _pair("encoder", "rope", attention="stick_breaking", causal=True, decay=0.1)
+    assert f.attn.spec == t.attn.spec and f.attn.spec.rope == Rope()
+    assert jrope.Rope is trope.Rope is Rope  # one config class for both frameworks
+
+
+def test_stick_breaking_learned_decay_starts_at_decay():
+    kw = dict(attention="stick_breaking", position="rope", causal=True, decay=0.3, learn_decay=True)
+    f = jl.MultiHeadSelfAttention(32, 4, rngs=nnx.Rngs(0), **kw)
+    t = tl.MultiHeadSelfAttention(32, 4, **kw)
     np.testing.assert_allclose(np.asarray(jax.nn.softplus(f.decay_logit[...])), 0.3, rtol=1e-6)
     np.testing.assert_allclose(torch.nn.functional.softplus(t.decay_logit).detach().numpy(), 0.3, rtol=1e-6)
-    with pytest.raises(ValueError, match="takes no segment_ids"):
+    with pytest.raises(ValueError, match="attention='stick_breaking' takes no segment_ids"):
         f(jnp.zeros((1, 4, 32)), segment_ids=jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="attention='stick_breaking' takes no segment_ids"):
+        t(torch.zeros(1, 4, 32), segment_ids=torch.zeros(1, 4, dtype=torch.int32))
+    fn, tn = _pair("attention", "none", **SB)
+    with pytest.raises(ValueError, match="position='none' does not use them"):
+        fn(jnp.zeros((1, 4, 32)), positions=jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="position='none' does not use them"):
+        tn(torch.zeros(1, 4, 32, device=DEVICE), positions=torch.zeros(1, 4, dtype=torch.int32, device=DEVICE))
 
 
 def test_wrong_rope_type_and_stray_positions():
-    with pytest.raises(TypeError, match="torch_ref.Rope"):
-        tl.MultiHeadSelfAttention(32, 4, position="rope", rope=jrope.Rope())
-    with pytest.raises(TypeError, match="jax_attn.Rope"):
-        jl.MultiHeadSelfAttention(32, 4, position="rope", rope=trope.Rope(), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="rope must be a Rope.*got dict"):
+        tl.MultiHeadSelfAttention(32, 4, position="rope", rope={"style": "half"})
+    with pytest.raises(TypeError, match="rope must be a Rope.*got NoneType"):
+        jl.MultiHeadSelfAttention(32, 4, position="rope", rope=None, rngs=nnx.Rngs(0))
     f, t = _pair("attention", "none")
     pos = np.zeros((1, 4), np.int32)
     with pytest.raises(ValueError, match="position='none' does not use them"):

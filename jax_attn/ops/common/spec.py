@@ -46,14 +46,6 @@ class AttentionSpec:
     rope: Rope | None = None  # rotate q and k by their positions (fused in the kernels)
 
     @property
-    def right_reach(self) -> int | None:
-        """How far to the right of the diagonal a query may look (None = unbounded)."""
-        reach = self.window_right
-        if self.causal:
-            reach = 0 if reach is None else min(reach, 0)
-        return reach
-
-    @property
     def has_position_mask(self) -> bool:
         return self.causal or self.window_left is not None or self.window_right is not None
 

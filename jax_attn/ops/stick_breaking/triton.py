@@ -44,7 +44,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_attn.ops.common import padding, triton_tiles as tiles
+from jax_attn.ops.common import padding, triton_tiles as tiles, visit
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least
 from jax_attn.ops.common.triton_tiles import check_launch_fields, rope_tables
 from jax_attn.ops.stick_breaking import mosaic as stick_breaking_mosaic
@@ -616,19 +616,11 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: in
     first = spent.reshape(batch, num_heads, seq_pad // block_q, block_q).min(axis=3)
     needs = spent.reshape(batch, num_heads // group, group, num_q_blocks, block_q_dkv).min(axis=4)
     needs = jnp.swapaxes(needs, 2, 3).reshape(batch, num_heads // group, 1, num_q_blocks * group)
-    key_block = jnp.arange(num_k_blocks)[:, None]  # [key blocks, 1] against steps [1, steps]
-    step = jnp.arange(num_q_blocks * group)[None, :]
+    key_block = jnp.arange(num_k_blocks)[:, None]  # [key blocks, 1] against steps
     full = jnp.minimum((key_block * block_k + block_k - 1) // block_q_dkv + 1, num_q_blocks) * group
-    needed = needs <= key_block
-    near = jnp.where((step >= full) & ~needed, step, num_q_blocks * group).min(axis=3)
-    extra = needed & (step > near[..., None])
-    num_steps = pow2_at_least(num_q_blocks * group)
-    lists = extra.shape[:3]
-    row_start = (jnp.arange(np.prod(lists)) * num_steps).reshape(*lists, 1)
-    slot = jnp.where(extra, row_start + jnp.cumsum(extra, axis=3) - 1, np.prod(lists) * num_steps)  # else dropped
-    extras = jnp.zeros(np.prod(lists) * num_steps, jnp.int32).at[slot.ravel()].set(
-        jnp.broadcast_to(step, extra.shape).ravel(), mode="drop").reshape(*lists, num_steps)
-    bounds = jnp.stack([near, extra.sum(axis=3)], axis=2).astype(jnp.int32)
+    near, count, extras = visit.block_lists(needs <= key_block, full, pow2_at_least(num_q_blocks * group),
+                                            xp=jnp)
+    bounds = jnp.stack([near, count], axis=2).astype(jnp.int32)
     return (padding.pad_axis(first, 2, pow2_at_least(first.shape[2])), padding.pad_axis(bounds, 3, pow2_at_least(num_k_blocks)),
             extras)
 

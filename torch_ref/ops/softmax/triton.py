@@ -38,6 +38,7 @@ import triton.language as tl
 from ..common.triton_tiles import (INTERPRETED, block_d, check_launch_fields, device_ctx, load_2d, load_own, load_rotated,
                                    precision, rope_args, store_unrotated)
 from ..common.validation import MAX_HEAD_DIM
+from ..common.visit import block_ranges
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # usable inside @triton.jit
@@ -171,62 +172,12 @@ def _visible(qi, kj, Sq, Sk, qs, ks, left, right, POSITIONAL: tl.constexpr, IS_C
 
 
 @triton.jit
-def _split_range(lo, hi, u_lo, u_hi, BLOCK: tl.constexpr):
-    """Block indices [b_lo, f_lo) boundary, [f_lo, f_hi) interior, [f_hi, b_hi) boundary.
-
-    [lo, hi): indices some row of the tile may see; [u_lo, u_hi): indices all rows see.
-    Blocks outside [lo, hi) are skipped; a block is interior only if it lies inside [u_lo, u_hi).
-    """
-    b_hi = tl.cdiv(tl.maximum(hi, 0), BLOCK)
-    b_lo = tl.minimum(tl.maximum(lo, 0) // BLOCK, b_hi)
-    f_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(u_lo, 0), BLOCK), b_lo), b_hi)
-    f_hi = tl.maximum(tl.minimum(tl.maximum(u_hi, 0) // BLOCK, b_hi), f_lo)
-    return b_lo, f_lo, f_hi, b_hi
+def _visited(RANGES, block):
+    """(lo, plain_lo, plain_hi, hi) of `block` in the visit plan (`attn_spec.visit.block_table`)."""
+    row = RANGES + block * 4
+    return tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
 
 
-@triton.jit
-def _key_blocks(m0, Sq, Sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Key-block ranges for the query tile starting at m0 (rows m0 .. m_last)."""
-    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
-    lo = m0 * 0
-    hi = lo + Sk
-    u_lo = lo
-    u_hi = hi
-    if IS_CAUSAL:  # j <= i
-        hi = tl.minimum(hi, m_last + 1)
-        u_hi = tl.minimum(u_hi, m0 + 1)
-    if HAS_WINDOW:  # i - left <= j <= i + right
-        lo = tl.maximum(lo, m0 - left)
-        hi = tl.minimum(hi, m_last + right + 1)
-        u_lo = tl.maximum(u_lo, m_last - left)
-        u_hi = tl.minimum(u_hi, m0 + right + 1)
-    return _split_range(lo, hi, u_lo, u_hi, BLOCK_N)
-
-
-@triton.jit
-def _query_blocks(n0, Sq, Sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Query-block ranges for the key tile starting at n0 (keys n0 .. n_last)."""
-    n_last = tl.minimum(n0 + BLOCK_N, Sk) - 1
-    lo = n0 * 0
-    hi = lo + Sq
-    u_lo = lo
-    u_hi = hi
-    if IS_CAUSAL:  # i >= j
-        lo = tl.maximum(lo, n0)
-        u_lo = tl.maximum(u_lo, n_last)
-    if HAS_WINDOW:  # j - right <= i <= j + left
-        lo = tl.maximum(lo, n0 - right)
-        hi = tl.minimum(hi, n_last + left + 1)
-        u_lo = tl.maximum(u_lo, n_last - right)
-        u_hi = tl.minimum(u_hi, n0 + left + 1)
-    return _split_range(lo, hi, u_lo, u_hi, BLOCK_M)
-
-
-# ----------------------------------------------------------------------------------------------
-# Forward
-# ----------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, sks_s, skp_s,
                theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul,
@@ -273,7 +224,7 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS,
+def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGES,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
                 sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
                 Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right,
@@ -315,7 +266,7 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
-    b_lo, f_lo, f_hi, b_hi = _key_blocks(m0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
                                score_mul, cap_mul, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL,
@@ -421,7 +372,7 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, QPOS, KPOS,
+def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, QPOS, KPOS, RANGES,
                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                      sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
                      sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
@@ -476,7 +427,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dk2 = dk  # unused placeholder
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    b_lo, f_lo, f_hi, b_hi = _query_blocks(n0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_n)
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = Q + b * sqb + h * sqh
@@ -563,7 +514,7 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, KPOS,
+def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, KPOS, RANGES,
                    sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                    sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
                    sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
@@ -613,7 +564,7 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     else:
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         dq2 = dq  # unused placeholder
-    b_lo, f_lo, f_hi, b_hi = _key_blocks(m0, Sq, Sk, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+    b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
                         score_mul, cap_mul, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
@@ -681,6 +632,7 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     with device_ctx(q):
         _fwd_kernel[grid](
             q, k, v, out, lse, m2, inv_l, qseg, kseg, *rope_ptrs,
+            block_ranges(causal, window, Sq, Sk, cfg.block_q, cfg.block_k, key_major=False, device=q.device),
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
             Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, left, right,
             HEAD_DIM=D, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, BLOCK_D=block_d(D),
@@ -721,10 +673,12 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     with device_ctx(q):
         _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_k_dkv), Hkv, B)](
             q, k, v, do, *stats, delta, dk, dv, qseg, kseg, *rope_ptrs,
+            block_ranges(causal, window, Sq, Sk, cfg.block_q_dkv, cfg.block_k_dkv, key_major=True, device=q.device),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
             *rope_strides, *scalars, BLOCK_M=cfg.block_q_dkv, BLOCK_N=cfg.block_k_dkv, **common)
         _bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_q_dq), Hq, B)](
             q, k, v, do, *stats, delta, dq, qseg, kseg, *rope_ptrs,
+            block_ranges(causal, window, Sq, Sk, cfg.block_q_dq, cfg.block_k_dq, key_major=False, device=q.device),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *seg_strides,
             *rope_strides, *scalars, BLOCK_M=cfg.block_q_dq, BLOCK_N=cfg.block_k_dq, **common)
     return dq, dk, dv
