@@ -15,7 +15,7 @@ import pytest
 
 import jax_attn
 from jax_attn import flash_attention
-from jax_attn.ops.common import mosaic_frame as frame
+from jax_attn.ops.common import visit
 from jax_attn.ops.softmax import mosaic as mosaic_gpu
 from jax_attn.ops.common.rope import Rope
 from jax_attn.ops.common.spec import AttentionSpec, visible
@@ -162,14 +162,14 @@ def test_visited_blocks_cover_the_mask(causal, window, q_len, kv_len):
     spec = AttentionSpec(scale=1.0, causal=causal, window_left=left, window_right=right)
     rows, keys = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
     mask = np.asarray(visible(spec, rows, keys, kv_len))
-    before, after = frame.reach(spec)
+    before, after = visit.reach(spec)
     for own, size, block, num_own, num_partner, orient, b, a, ragged in (
             ("rows", 64, 128, q_len, kv_len, mask, before, after, kv_len % 128 != 0),
             ("keys", 64, 64, kv_len, q_len, mask.T, after, before, False)):
         num = -(-num_partner // block)
         previous = (0, 0, 0, 0)
         for first in range(0, num_own, size):
-            lo, plain_lo, plain_hi, hi = (int(x) for x in frame.partner_blocks(
+            lo, plain_lo, plain_hi, hi = (int(x) for x in visit.partner_blocks(
                 first, size, block, num, b, a, ragged))
             assert lo <= plain_lo <= plain_hi <= hi <= num, (own, first)
             assert all(x >= y for x, y in zip((lo, hi), (previous[0], previous[3]))), (own, first)

@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.ops.common.spec import AttentionSpec
+from jax_attn.ops.common.visit import partner_blocks, reach
 
 
 HEAD_DIMS = (64, 128)  # padded head dims served (a 128-byte swizzle row holds 64 16-bit values)
@@ -111,36 +112,6 @@ def smem(shape, dtype):
     """Shared memory in the layout wgmma reads: 8-row tiles of 128-byte swizzled rows."""
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
                                                 plgpu.SwizzleTransform(128)))
-
-
-def reach(spec: AttentionSpec):
-    """(before, after): query i sees keys i - before <= j <= i + after (None: unbounded)."""
-    bounds = [b for b in (0 if spec.causal else None, spec.window_right) if b is not None]
-    return spec.window_left, min(bounds) if bounds else None
-
-
-def partner_blocks(first, size: int, block: int, num: int, before, after, last_masked: bool = False,
-                   valid: int | None = None):
-    """Own rows [first, first + size) see partners y with x - before <= y <= x + after (None:
-    unbounded), in `num` blocks of `block`. -> (lo, plain_lo, plain_hi, hi): the blocks some row
-    sees are [lo, hi); inside, [plain_lo, plain_hi) are seen whole by every row (no mask). With
-    `last_masked` the last block (padding) is never plain. `valid` (static): partners >= valid are
-    padding, which may span several blocks (the arrays are padded to the widest tile, the
-    backward's blocks are narrower): blocks of padding alone are not visited and the one holding
-    `valid` is never plain. Monotone in `first`."""
-    if valid is not None:
-        # A plain block of zero padded keys gives s = 0 and P = 2^-m2, which overflows 16-bit
-        # dS (and, past 2^128, fp32) on rows whose lse is very negative: inf * 0 = NaN in dQ.
-        num = min(num, -(-valid // block))
-        last_masked = last_masked or valid % block != 0
-    lo = 0 if before is None else jnp.minimum(jnp.maximum(first - before, 0) // block, num)
-    hi = num if after is None else jnp.minimum(pl.cdiv(first + size + after, block), num)
-    plain_lo = lo if before is None else pl.cdiv(jnp.maximum(first + size - 1 - before, 0), block)
-    plain_hi = num - int(last_masked)
-    if after is not None:
-        plain_hi = jnp.minimum((first + after + 1) // block, plain_hi)
-    plain_lo = jnp.minimum(jnp.maximum(plain_lo, lo), hi)
-    return lo, plain_lo, jnp.minimum(jnp.maximum(plain_hi, plain_lo), hi), hi
 
 
 def walk(step, carry, blocks, leftwards: bool = False):

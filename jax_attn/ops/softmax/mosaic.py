@@ -16,7 +16,7 @@ the GQA group's query heads, no atomics, deterministic; P is recomputed from the
 base 2 (P = exp2(s2 - lse2)), exact enough for 16-bit gradients.
 Serves softmax attention with causal and sliding-window masks (any lengths, GQA, any scale,
 16-bit, padded head dim 64 or 128): each warpgroup walks only the blocks its rows can see, the
-edge blocks masked (`frame.partner_blocks`); `unsupported_reason` names what it does not serve.
+edge blocks masked (`visit.partner_blocks`); `unsupported_reason` names what it does not serve.
 RoPE at positions arange (`_Rotary`): the forward rotates each q tile and key block once and its
 CTAs share them through gmem. While a head's CTAs run, each one's producer rotates the q tile and
 one key block that the next head's CTA at its place will need and publishes them (`_NextHead`; a
@@ -43,7 +43,7 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jax_attn.device import device_info
-from jax_attn.ops.common import mosaic_frame as frame
+from jax_attn.ops.common import mosaic_frame as frame, visit
 from jax_attn.ops.common.mosaic_frame import FORWARD_GRID, HEAD_DIMS, WGMMA_ROWS
 from jax_attn.ops.common.rope import Rope, inverse_frequencies
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, visible
@@ -649,8 +649,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     pair_first = lax.axis_index("k_tiles") * 2 * bkv  # causal: low keys see the most rows, launched first
     # key j is seen by rows i with j - after <= i <= j + before (none at all past the last row)
-    before, after = frame.reach(spec)
-    ranges = [frame.partner_blocks(pair_first + w * bkv, bkv, bq, num_q, after, before) for w in range(2)]
+    before, after = visit.reach(spec)
+    ranges = [visit.partner_blocks(pair_first + w * bkv, bkv, bq, num_q, after, before) for w in range(2)]
     stream_lo = ranges[0][0]
     per_head = jnp.maximum(ranges[1][3] - stream_lo, 0)  # stream steps per query head
 
