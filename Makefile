@@ -9,7 +9,7 @@
 # On the GPU machine (packages preinstalled, no network; nothing is installed there):
 #   make test-gpu -- compiled kernels at realistic shapes (pytest -m gpu)
 #   make bench    -- the benchmarks (benchmarks/*.py; JSON results in benchmarks/results)
-# (scripts/gpu_session.sh runs the GPU tests, parity and benchmarks in parallel shards.)
+# (scripts/run_gpu_checks.sh runs the GPU tests, parity and the benchmarks, in parallel where they fit.)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -37,7 +37,7 @@ test-gpu:
 	PYTHONPATH=. $(PY) -m pytest -m gpu tests $(ARGS)
 
 bench:
-	PYTHONPATH=. $(PY) benchmarks/attention.py --out $(BENCH_OUT)
+	PYTHONPATH=. $(PY) benchmarks/softmax.py --out $(BENCH_OUT)
 	PYTHONPATH=. $(PY) benchmarks/rope.py --out $(BENCH_OUT)
 	PYTHONPATH=. $(PY) benchmarks/stick_breaking.py --out $(BENCH_OUT)
 

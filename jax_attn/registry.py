@@ -186,7 +186,7 @@ def choose(variant: str, call: Call) -> str:
     """The rule for implementation=None.
 
     Softmax: "xla" where Pallas Triton cannot run (e.g. TPU, pre-sm80 GPUs); "mosaic" where its
-    Hopper kernels serve the call (faster than the Triton engine on an H100; `benchmarks/`); else
+    Hopper kernels serve the call (faster than the Triton engine; docs/design/softmax.md); else
     "triton" (compiled on NVIDIA sm80+, through the interpreter on CPU).
     Stick-breaking: "xla" where Pallas Triton cannot run, else "triton", on Hopper too: the Mosaic
     forward walks every tile, while the Triton forward ends a row block's walk where its sticks are

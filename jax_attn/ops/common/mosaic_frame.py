@@ -143,9 +143,8 @@ def iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-# The forward's producer rotates every streamed key block: registers for that (the compute
-# warpgroups keep the rest, 184). H100, 2x8192x16x128 causal bf16 forward: 96 -> 1.69 ms,
-# 128 -> 1.40 ms, 160 -> 1.43 ms (no RoPE: 0.97 ms)
+# The RoPE forward's producer rotates key blocks (the compute warpgroups keep the rest, 184); fewer
+# registers make its rotations spill (docs/design/rope.md, 'The Hopper kernels').
 ROPE_PRODUCER_REGISTERS = 128
 
 

@@ -58,8 +58,8 @@ def interleaved(spec: AttentionSpec) -> bool:
 
 
 def load_parts(ref, prefix, spec, head_dim):
-    # interleaved: one contiguous load, split in registers (stride-2 column loads made the forward
-    # 1.3x slower than style "half", H100)
+    # interleaved: one contiguous load, split in registers (stride-2 column loads are slow;
+    # docs/design/rope.md)
     if interleaved(spec):
         return split_parts(ref[(*prefix, slice(None))], spec, head_dim)
     return tuple(ref[(*prefix, c)] for c in columns(spec, head_dim))
@@ -97,7 +97,7 @@ def rope_cos_sin(table_ref, rows=slice(None), delta=None):
 
     Loaded, not computed: in-kernel sin/cos of angles up to S radians are slow, and a key tile
     would recompute them for every query block. But the rows of a tile cost twice the L2 traffic
-    of the bf16 key tile itself (+1.7 ms of a 3.6 ms forward on an H100 at 2x8192x16x128). So at
+    of the bf16 key tile itself (docs/design/rope.md, 'Tables, not transcendentals'). So at
     positions arange (`delta` = `rope_delta`: the table's first rows, loaded once per program),
     a tile starting at row n0 reads the single row n0 and applies the angle-addition rule,
     cos((n0 + d) t) = cos(n0 t) cos(d t) - sin(n0 t) sin(d t) (and likewise sin)."""

@@ -2,32 +2,17 @@
 specialisation, after FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608). Forward, dQ, dK/dV.
 
 Why a second implementation: the Triton lowering keeps one warpgroup doing loads, matmuls and the
-softmax in turn and reaches 0.73-0.78x cuDNN forward at head dim 128 on an H100. Here a CTA holds
-three warpgroups:
-  - two compute warpgroups, each owning a block (query rows for the forward and dQ, keys for
-    dK/dV), with the matmuls on wgmma (P and dS from registers) and the elementwise math in
-    registers, base 2 with the scale folded into one FMA. While one warpgroup does elementwise
-    work, the other's matmuls keep the tensor cores busy;
-  - one producer warpgroup streaming the other side's blocks (K, V or Q, dO) by TMA through a
-    ring of shared-memory slots (`frame.Ring`); a slot is refilled once both compute warpgroups
-    released it.
-The backward mirrors the engine's (`pallas_triton`): a dQ kernel and a dK/dV kernel looping over
-the GQA group's query heads, no atomics, deterministic; P is recomputed from the forward's lse in
-base 2 (P = exp2(s2 - lse2)), exact enough for 16-bit gradients.
-Serves softmax attention with causal and sliding-window masks (any lengths, GQA, any scale,
-16-bit, padded head dim 64 or 128): each warpgroup walks only the blocks its rows can see, the
-edge blocks masked (`visit.partner_blocks`); `unsupported_reason` names what it does not serve.
-RoPE at positions arange (`_Rotary`): the forward rotates each q tile and key block once and its
-CTAs share them through gmem. While a head's CTAs run, each one's producer rotates the q tile and
-one key block that the next head's CTA at its place will need and publishes them (`_NextHead`; a
-pseudo-head of CTAs does it for head 0); a CTA loads its q tile and key blocks rotated where they
-were published, or rotates them itself (`_SharedKeys` for keys: in shared memory, before it
-signals the block ready). The backward reads q and k rotated (both written by the forward; a key
-block no query sees may hold garbage, and is never read) and rotates dq, dk back; the rotations
-outside the producer take their tables from shared memory, prefetched at the CTA's start.
+softmax in turn. Here a CTA holds two compute warpgroups, each owning a 64-row block (query rows for
+the forward and dQ, keys for dK/dV; matmuls on wgmma with P and dS from registers, base 2 with the
+scale folded into one FMA), so one's softmax overlaps the other's matmuls, and one producer
+warpgroup streaming the other side's blocks by TMA through a ring of shared-memory slots
+(`frame.Ring`). The backward mirrors the Triton engine's (dQ and dK/dV kernels, no atomics,
+deterministic; P = exp2(s2 - lse2)). Each warpgroup walks only the blocks its rows can see
+(`visit.partner_blocks`); `unsupported_reason` names what is not served. RoPE at positions arange:
+each q tile and key block is rotated once and shared between CTAs through gmem (`_Rotary`,
+`_SharedKeys`, `_NextHead`). Design and figures: docs/design/softmax.md, docs/design/rope.md.
 
-No interpreter runs these kernels on CPU (jax 0.10); the tests lower them there and run them on
-the GPU.
+No interpreter runs these kernels on CPU; the tests lower them there and run them on the GPU.
 """
 from __future__ import annotations
 
@@ -278,8 +263,8 @@ FLAG_WORDS = 32  # a block's published flag: one 128-byte record (TMA copies 16-
 class _SharedKeys:
     """The RoPE forward's key blocks, rotated once and shared between CTAs through gmem.
 
-    Every query CTA streams the key blocks it sees; rotating each one itself made the forward's
-    producer the bottleneck (1.4-1.5x the time without RoPE). Here the producer reads a block's
+    Every query CTA streams the key blocks it sees; rotating each one in every CTA would make the
+    producer the bottleneck (docs/design/rope.md). Here the producer reads a block's
     flag before it loads the block: if another CTA published it, it loads the rotated copy
     (`k_rot`); if not, it loads the raw block, rotates it (`_Rotary.tile`), stores it to k_rot
     and, once that store completed, sets the flag. Several CTAs may rotate and publish one block
@@ -471,11 +456,8 @@ class _NextHead:
                 self.advance(t, publish)
 
 
-# The dK/dV kernel's compute warpgroups hold dK, dV and the step's S, dP: at 232 registers ptxas
-# spills 252 bytes per thread there (D=128), at 240 152 bytes, and its producer needs few. H100,
-# bf16 causal forward+backward against 40/232, 9 paired rounds: 2x8192x16x128 0.987x, 4x4096x32x128
-# with 8 kv heads 0.936x, head dim 64 unchanged; 56/224 1.108x, 72/216 1.160x
-# (benchmarks/results/dkdv-registers-s16-2026-11-25.txt).
+# The dK/dV compute warpgroups hold dK, dV and the step's S, dP, so they take all but the producer's
+# few registers (docs/design/softmax.md, 'Registers').
 DKDV_PRODUCER_REGISTERS = 24
 
 

@@ -9,8 +9,9 @@ kernel (one program per key block and kv head, looping over the query heads of i
 dK/dV need no atomics and stay deterministic) and a dQ kernel (one program per query block).
 
 Which tiles are visited is a parameter: for each query block an int32 range of key blocks
-(lo, full_lo, full_hi, hi) built in `spec.block_ranges`; [full_lo, full_hi) needs no element mask,
+(lo, full_lo, full_hi, hi) built in `visit.block_ranges`; [full_lo, full_hi) needs no element mask,
 the rest of [lo, hi) is masked with `spec.visible`, everything outside is skipped.
+Design and figures: docs/design/softmax.md.
 """
 from __future__ import annotations
 
@@ -30,9 +31,8 @@ from jax_attn.ops.common.visit import block_ranges
 from jax_attn.ops.softmax import mosaic as mosaic_gpu
 
 
-# jax 0.11 deprecates the Pallas Triton backend with a DeprecationWarning at every lowering (text
-# as printed by jax 0.11.2 on an H200); this library is built on it on purpose, so that one
-# message, and only that one, is silenced.
+# jax 0.11 deprecates the Pallas Triton backend with a DeprecationWarning at every lowering; this
+# library is built on it on purpose, so that one message, and only that one, is silenced.
 warnings.filterwarnings(
     "ignore", message=r"The Pallas Triton backend is deprecated and will be removed in a future JAX version",
     category=DeprecationWarning)
@@ -71,19 +71,13 @@ def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope
                         rope_positions: bool = False) -> BlockSizes:
     """Tiles per padded head dim and dtype. Interpret mode: small tiles keep the CPU run short.
 
-    16-bit, D <= 128: the fastest of `benchmarks/sweep_blocks.py` on an H100 (bf16, 2x8192x16x128
-    and 16x1024x16x64, causal and not; results/sweep-nvidia-h100-80gb-hbm3-2026-11-22.json).
-    Against the previous tiles: D=128 forward +5.5/+9.7 % (causal/not), forward+backward +2/+19 %;
-    D=64 forward +7/+10 %, forward+backward +96/+84 % (the old 128-row dK/dV tiles spilled).
-    fp32: exact fp32 dots run on FMA units, whose code grows with the tile (a 128x64 tile
-    compiled for ~100 s on an H200), and fp32 tiles take twice the shared memory: smaller tiles.
-    RoPE, D = 128 (`sweep_blocks.py --rope`, results/sweep-rope-*): the forward rotates every key
-    tile it loads; the backward loops rotate nothing (q, k arrive rotated), so the backward keeps
-    the plain tiles (1.12x over the next best). Forward at positions arange (one cos/sin table row
-    per tile, `tiles.rope_cos_sin`): 128x64 in 3 stages (1.10x over 2). With positions given, every
-    pipelined key tile brings its fp32 cos/sin rows (twice the bytes of the bf16 key tile), and
-    128x128 tiles in 3 stages asked for 272 KB of shared memory on an H100 (232 KB there):
-    128x64 in 2 stages."""
+    16-bit, D <= 128: the fastest of `benchmarks/sweep_blocks.py` (docs/design/softmax.md, 'The
+    Triton engine'). fp32: exact fp32 dots run on FMA units, whose code grows with the tile, and
+    fp32 tiles take twice the shared memory: smaller tiles. RoPE (`sweep_blocks.py --rope`;
+    docs/design/rope.md, 'The Triton engine'): the backward loops rotate nothing (q, k arrive
+    rotated), so the backward keeps the plain tiles; the forward at positions arange takes 128x64
+    in 3 stages, and with positions given 128x64 in 2 (its fp32 cos/sin rows would overflow shared
+    memory at 128x128 in 3 stages)."""
     if interpret:
         return BlockSizes(32, 32, 32, 32, 32, 32, 4, 1, 4, 1)
     if jnp.dtype(dtype) == jnp.float32:

@@ -2,30 +2,24 @@
 of the softmax kernels (`mosaic_gpu`): two compute warpgroups of 64 query rows each, one producer
 warpgroup streaming the kv head's key blocks by TMA, the products on wgmma.
 
-Each warpgroup walks its key blocks from the diagonal leftwards (the producer streams them in that
-order), as the Triton forward (`stick_breaking_pallas`) does, in base-2 log space:
+Each warpgroup walks its key blocks from the diagonal leftwards, as the Triton forward
+(`stick_breaking_pallas`) does, in base-2 log space:
   z = scale2 q.k - decay2 (i - j),  sp = softplus2(z) = max(z, 0) + log2(1 + 2^-|z|),
   A = 2^((z - sp) - c - sum_{m>j} sp)   (c: the softplus sum of the keys right of the block),
   o += A V,  c += rowsum(sp),  and at the end rem = 2^-c.
 The transcendentals are the approximate MUFU instructions (`approx_math`; lg2 directly, `_log2`).
-With `save_sums` it stores c at every key-block boundary ([B, H, key blocks, S], the layout the
-Triton backward reads) and counts per row the key blocks whose c reaches `spent` (the backward
-skips their tiles, `stick_breaking_pallas._spent_bounds`), so its backward is the Triton engine's
-(`stick_breaking_pallas._bwd_call`). It walks every tile itself: its producer warpgroup streams
-every key block, so ending a walk early would need the producer told too.
+With `save_sums` it stores c at every key-block boundary and counts per row the spent key blocks,
+in the layout the Triton backward (`stick_breaking_pallas._bwd_call`) reads: the backward is the
+Triton engine's. It walks every tile (ending a walk early would need the producer told too), so it
+is not the default.
 
 The in-tile suffix sums are one product with a triangular 0/1 matrix on the tensor cores, of sp
-rounded to fp16 (for fp16 inputs the Triton kernels add a second product for the rounding's
-remainder, `stick_breaking_pallas._Static.sum_terms`). Rounding errs by at most 2^-11 of each
-term, so a suffix sum S by at most 2^-11 S, and A's relative error is at most ln 2 2^-11 S =
-3.4e-4 S, where A <= 2^-S (the strict suffix: the key's own term stays in fp32, in z - sp): at
-most 1.8e-4 of the stick. The terms are capped at SP_CAP before the rounding (fp16 overflows at
-65504, and inf times the matrix's zeros is NaN); one capped term makes every A left of it 2^-256,
-zero in fp32, so the cap changes nothing. c and rem are fp32 row sums; the backward recomputes A itself. The GPU
-tests hold the forward to the float64 golden under the tolerance rule (bf16 and fp16). A second
-product made it 1.19x slower (H100, 2x8192x16x128 bf16: 1.66 -> 1.98 ms), mostly through
-register spills: the kernel is latency-bound, issuing in 40-46 % of the cycles, and spilled
-8.7 M local loads even so (ncu).
+rounded to fp16, for fp16 inputs too (a second product for the remainder spills registers). Rounding
+errs by at most 2^-11 of each term, so a suffix sum S by at most 2^-11 S, and A's relative error is
+at most ln 2 2^-11 S = 3.4e-4 S, where A <= 2^-S (the strict suffix: the key's own term stays in
+fp32, in z - sp): at most 1.8e-4 of the stick. The terms are capped at SP_CAP before the rounding
+(fp16 overflows at 65504, and inf times the matrix's zeros is NaN); one capped term makes every A
+left of it 2^-256, zero in fp32, so the cap changes nothing. Figures: docs/design/stick_breaking.md.
 
 Serves 16-bit inputs, padded head dim 64 or 128, no RoPE (`unsupported_reason`). No interpreter
 runs it on CPU: the tests lower it for CUDA there and run it on the GPU.

@@ -1,37 +1,23 @@
-"""Stick-breaking attention (ExpoSB) as Pallas kernels (Triton lowering): forward, dQ, dK/dV.
+"""Stick-breaking attention (ExpoSB: Tan et al., "Scaling Stick-Breaking Attention", arXiv
+2410.17980, with an exponential distance decay) as Pallas kernels (Triton lowering): forward, dQ, dK/dV.
 
-Definition (DESIGN.md "ExpoSB"; Tan et al., arXiv 2410.17980), strictly causal, for j < i:
+Strictly causal, for j < i:
   z_ij = scale * q~_i . k~_j - decay_h * (i - j)          (q~, k~: RoPE-rotated when asked)
   log A_ij = log sigmoid(z_ij) - sum_{j<m<i} softplus(z_im),   o_i = sum_j A_ij v_j,
   rem_i = exp(-sum_{j<i} softplus(z_ij)) = 1 - sum_j A_ij.
-
-Forward, one program per (query block, batch, head): key blocks are walked from the diagonal
-leftwards; `c` carries the softplus sum of the keys already passed (to the right), and inside a
-tile the strict suffix sums are a triangular product (`_key_sums`). No max shift is needed:
-log A <= 0. For 16-bit inputs the logs are base 2, each transcendental one PTX instruction
-(libdevice's exact log, a long ALU sequence, took the kernels 1.4x the time). With RoPE each key
-block is rotated once per query head, by the program whose diagonal holds it, and shared (once
-per kv head) through k_rot and flags (`keys`).
-
-Backward. With g_ij = A_ij (dO_i . v_j) and sigma = sigmoid(z):
+Backward, with g_ij = A_ij (dO_i . v_j) and sigma = sigmoid(z):
   dz_ij = g_ij - sigma_ij (drem_i rem_i + sum_{m<=j} g_im),
   dq = scale dz k~, dk = scale dz^T q~, dv = A^T dO, d decay_h = -sum dz_ij (i - j).
-Two running row sums are needed: the softplus sum from the right (for A) and the g sum from the
-left (for dz). Each is summed in its own direction, never as a total minus a partial sum, whose
-cancellation costs fp32 gradients (the decay gradient weighs far keys by i - j) digits. So the
-forward (walking leftwards) stores its softplus sums at every key-block boundary, the dQ kernel
-walks rightwards, reads them and stores its g sums, and the dK/dV kernel (one program per key
-block and kv head, looping over query blocks and the GQA group in one flat loop) reads both
-([B, H, key blocks, S] fp32 each). No atomics: deterministic (as is the forward: its flags only
-order who reads a rotated block after it was written, never what is summed).
-Spent sticks. Once a row's softplus sum right of a key block reaches `_Static.spent`, every A
-left of it is exactly 0 in fp32, and so are those tiles' contributions to out, rem and every
-gradient (g = 0, and g0 = drem rem = 0). The forward ends its walk when all its rows are spent
-(checked every WALK_CHUNK blocks) and counts per row the spent key blocks; from those counts the
-dQ kernel starts at its rows' first unspent block and the dK/dV kernel walks only the query blocks
-that need its key block: on from the diagonal to the first that does not, then those past it that
-do, from a list (`_spent_bounds`). Bit-equal to walking every tile.
-The tile math is shared with the softmax engine (`pallas_triton`): RoPE feature parts, dots.
+
+The forward walks key blocks from the diagonal leftwards with the softplus sum to the right and
+stores it at every key-block boundary; the dQ kernel walks rightwards with the g prefix sums and
+stores them; the dK/dV kernel (per key block and kv head) reads both. Each sum runs in its own
+direction, never a total minus a partial sum, whose cancellation costs fp32 gradient digits; no
+atomics, so the results are deterministic. 16-bit inputs work in base 2 with one MUFU instruction
+per transcendental and the in-tile key sums on the tensor cores (`_key_sums`). Tiles of spent
+sticks (every A exactly 0 in fp32) are skipped, bit-equal to the dense walk (`_Static.spent`,
+`_spent_bounds`). With RoPE each key tile is rotated once per kv head and shared (`keys`).
+Design and figures: docs/design/stick_breaking.md.
 """
 from __future__ import annotations
 
@@ -78,10 +64,8 @@ def default_stick_breaking_block_sizes(head_dim: int, interpret: bool, dtype) ->
         return StickBreakingBlockSizes(16, 16, 16, 4, 1)
     if jnp.dtype(dtype) == jnp.float32 or head_dim > 128:
         return StickBreakingBlockSizes(32, 32, 32, 4, 2)
-    # 32 rows per dK/dV step: that kernel holds two [64, D] fp32 accumulators (H100, 2x8192x16x128:
-    # backward 13.96 ms vs 14.90 with 64 rows; 8 warps 19-20 ms; the rest of the tiles: SWEEP).
-    # It waits on its loads most (ncu: long scoreboard) and a third stage hides them: 5.27 -> 4.90
-    # ms (4 stages: 4.90; 64 rows 16.5, 16 rows 6.1; the tile query-major instead: 8.2 to 9.3)
+    # 32 rows per dK/dV step (it holds two [64, D] fp32 accumulators) and a third stage to hide its
+    # loads (docs/design/stick_breaking.md, 'Where the time goes when nothing is spent')
     return StickBreakingBlockSizes(64, 64, 32, 4, 2, num_stages_dkv=3)
 
 
@@ -118,10 +102,8 @@ class _Static:
         """The terms of the in-tile key sums (`_key_sums`: A's softplus suffix, dz's g prefix):
         fp32 for fp32 inputs; fp16 for bf16, whose own rounding (2^-8) is 8x coarser than the
         terms' (2^-11), with the key's own term kept in fp32 (strict sums): one tensor-core
-        product instead of two (H100, 2x8192x16x128 forward+backward, paired: the suffix 10.45 ->
-        9.91 ms, then the prefix 9.82 -> 8.69; no bf16 parity ratio changed by more than 0.02);
-        hi + lo for fp16, whose decay gradient the single product for A took to 1.5x the allowed
-        error."""
+        product instead of two; hi + lo for fp16, whose decay gradient needs the second product
+        (docs/design/stick_breaking.md, '16-bit inputs')."""
         if self.dtype == jnp.float32:
             return "fp32"
         return "fp16" if self.dtype == jnp.bfloat16 else "split"
@@ -143,8 +125,7 @@ def _logits(q_parts, k_parts, spec, lam, rows, cols, fast: bool, *, k_major=Fals
 
 def _approx(op: str, x):
     """One MUFU instruction per element (`ex2` or `lg2`, .approx.ftz.f32): jnp.log2 lowers to
-    libdevice's exact logf, a long ALU sequence, which bound these kernels (H100, 2x8192x16x128
-    bf16: forward 3.04 -> 2.15 ms, forward+backward 16.9 -> 12.1)."""
+    libdevice's exact logf, a long ALU sequence, which would bound these kernels."""
     [y] = plgpu.elementwise_inline_asm(f"{op}.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
     return y
@@ -170,13 +151,12 @@ def _stick(z, valid, c, axis, st: _Static, tris):
     logs in base 2, log2(1 + 2^-|z|) by the approximate ex2 and lg2 instructions; lg2.approx
     errs <= 2^-22.6 absolute on [1, 2] and rounding 1 + x <= 2^-24, per key, far below what a
     16-bit output resolves. On query-major tiles (`axis` 1: forward, dQ)
-    log sigmoid(z) = z - sp (the k-major dK/dV tile was slower with it, 4.93 -> 5.73 ms, and keeps
-    min(z, 0) - t). A = exp(log sigmoid(z) - c - sum_{m>j} sp): the key's own term in fp32, the
+    log sigmoid(z) = z - sp; the k-major dK/dV tile runs faster with min(z, 0) - t.
+    A = exp(log sigmoid(z) - c - sum_{m>j} sp): the key's own term in fp32, the
     strict suffix on the tensor cores, its 16-bit terms capped at SP_CAP (fp16 overflows at 65504:
     the logits of 16-bit inputs can pass that, and inf times the matrix's zeros is NaN; a term of
-    SP_CAP already makes every A left of it 2^-256, zero in fp32, so the cap changes nothing).
-    (An inclusive suffix, exp(z - c - sum_{m>=j} sp), saved two instructions per score for fp16
-    inputs, forward 2.14 -> 2.00 ms, but needs the key's own term uncapped.)"""
+    SP_CAP already makes every A left of it 2^-256, zero in fp32, so the cap changes nothing;
+    hence the strict suffix, not an inclusive one, which would need the key's own term uncapped)."""
     if st.fast:
         t = _log2(1.0 + _exp(-jnp.abs(z), st), st)
     else:
@@ -200,10 +180,9 @@ def _key_sums(x, axis, *, keys: str, terms: str, tris):
     cumsum errs by eps * rowsum (most where A is largest, at the diagonal; several times the
     reference's error in fp32). `terms`: "fp32" (fp32 inputs: the suffix in fp32, the prefix a
     cumsum); on the tensor cores, "split" x into fp16 hi + lo (22 bits) or "fp16" x rounded to
-    fp16 (one product; `_Static.sum_terms` says where). The scans cost
-    more (H100, 2x8192x16x128: the forward 9 %; the backward 5.5 %, and only once a kernel has no
-    scan left: replacing one of its two scans made it slower, +4 to +18 %). `tris`: the kernel's
-    matrices (`_triangles`), loaded from memory."""
+    fp16 (one product; `_Static.sum_terms` says where). Scans cost more, in every kernel
+    (docs/design/stick_breaking.md, '16-bit inputs'). `tris`: the kernel's matrices
+    (`_triangles`), loaded from memory."""
     if terms == "fp32" and keys == "up_to":
         return jnp.cumsum(x, axis=axis)
     if terms == "fp32":
@@ -239,10 +218,9 @@ TRI_KEYS = ("up_to", "before", "after")
 
 def _triangles(block_k: int, st: _Static, k_major: bool) -> np.ndarray:
     """The 0/1 matrices of `_key_sums` [len(TRI_KEYS), block_k, block_k] ([m, j]: key m counts for
-    key j; transposed for the k-major tiles, where they are the left operand), a kernel input.
-    Built in the kernel from iotas, they were hoisted out of its loop and held in registers; as
-    loads they sit in shared memory (H100, 2x8192x16x128 bf16: the dK/dV kernel's spills 17.3 M
-    -> 0.25 M local loads, 3.85 -> 3.53 ms; forward+backward 8.72 -> 8.46 ms, bit-equal)."""
+    key j; transposed for the k-major tiles, where they are the left operand), a kernel input:
+    built in the kernel from iotas, Triton hoists them into registers and the dK/dV kernel
+    spills; as loads they sit in shared memory."""
     return _triangle_constants(block_k, "float32" if st.sum_terms == "fp32" else "float16", k_major)
 
 
@@ -267,9 +245,8 @@ def _barrier(st: _Static):
         plgpu.debug_barrier()
 
 
-# Key blocks the forward walks between its checks for spent sticks (H100, 2x8192x16x128 bf16, paired:
-# 4 as fast on N(0, 1) inputs, slower where nothing is spent, 2.14 against 2.10 ms; 16 slower on
-# N(0, 1), 0.69 against 0.54)
+# Key blocks the forward walks between its checks for spent sticks: fewer slow the walk where
+# nothing is spent, more miss spent sticks (docs/design/stick_breaking.md, 'Spent sticks')
 WALK_CHUNK = 8
 
 
@@ -292,7 +269,7 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, bet
             full = between(full)
         walking = lambda state: (state[0] < full) & jnp.logical_not(stop(state[1]))
 
-        def chunk(state):  # a pipelined loop: a while loop per block is not (the forward 1.23x slower)
+        def chunk(state):  # a pipelined loop (a while loop per block is not: a slower forward)
             walked, carry = state
             n = jnp.minimum(WALK_CHUNK, full - walked)
             return walked + n, jax.lax.fori_loop(0, n, lambda t, c: unmasked(full - 1 - walked - t, c), carry)
@@ -343,7 +320,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
         if not masked:
             return tuple(q_whole), (k_rot_ref[tile, :],)
         # cos/sin rows loaded, not composed by `tiles.rope_cos_sin`'s angle addition: this code is
-        # ALU-bound (the addition took the forward from 5.5 to 6.2 ms, H100, 2x8192x16x128)
+        # ALU-bound (docs/design/stick_breaking.md, 'RoPE')
         k = tiles.rotate(tiles.load_parts(k_ref, (tile,), spec, head_dim), tiles.rope_cos_sin(tables[1], tile), k_ref.dtype)
 
         def publish():
@@ -359,8 +336,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
 
     def after_diagonal(full):
         """q rotated, read back whole from q_rot for the products with shared key tiles (not
-        before: the diagonal tiles hold q in feature parts, and holding both cost the forward
-        1.07 of 3.36 ms, H100, 2x8192x16x128). Then polls the flags until key blocks [0, full)
+        before: the diagonal tiles hold q in feature parts, and holding both is costly;
+        docs/design/stick_breaking.md, 'RoPE'). Then polls the flags until key blocks [0, full)
         are published, and one acquire read: its value (> 0) bounds the loop over them, so none
         of their loads is issued before it (nor an iteration early by Triton's software
         pipeliner). A program publishes before it waits, and those it waits for precede it in the
@@ -574,8 +551,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
         lam = decay_ref[first_head + g]
         rows = (start + jnp.arange(block_q))[None, :]
         z = _logits((q,), (k,), spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
-        # dA next to the logits' product, before the tile math (H100, 2x8192x16x128 bf16: fwd+bwd
-        # 8.50 -> 8.42 ms, bit-equal; in the dQ kernel it took 8.51 -> 8.62)
+        # dA next to the logits' product, before the tile math: faster here, not in the dQ kernel
+        # (docs/design/stick_breaking.md, 'Where the time goes when nothing is spent')
         da = tiles.dot(v, do, spec, trans_b=True)
         valid = cols < rows if masked else None
         _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :] + shift, 0, st, tris)  # A 2^-shift
@@ -712,9 +689,9 @@ def _stick_breaking_fwd(st, q, k, v, decay, table):
 def _sum_compensated(x):
     """Sum over the last axis of fp32 x, nearly correctly rounded, in a fixed order on every backend.
 
-    The per-row decay gradients cancel heavily (sum |x| ~ 40x |sum x|), so the order of a plain
-    fp32 reduction shows: XLA:CPU merges the head and row reductions under jit and sums windows of
-    192 terms sequentially, erring ~6x the kernel's own error. Here: pairwise halving with
+    The per-row decay gradients cancel heavily, so the order of a plain fp32 reduction shows
+    (XLA:CPU merges the head and row reductions under jit and sums windows of terms sequentially;
+    docs/design/stick_breaking.md, 'Log space'). Here: pairwise halving with
     Knuth's TwoSum, each add's exact rounding error carried in a second fp32 word (elementwise
     ops only, which XLA does not reassociate), so the result errs ~1 ulp of the sum."""
     n = pow2_at_least(x.shape[-1])
@@ -742,7 +719,7 @@ def _gradient_unit(bound):
     sums 2^-s, and scale dq, dk, dv, d decay (and the g sums the dQ kernel stores) back by 2^s.
 
     The in-tile g sums take their terms in fp16 on the tensor cores (`_key_sums`) and dz is
-    rounded to the inputs' dtype for the dq, dk products: past 65504 they were inf and the
+    rounded to the inputs' dtype for the dq, dk products: past 65504 they would be inf and the
     gradients NaN (fp16 loss scaling, say, multiplies dO by 2^15). With |g| <= |dA| <= D max|dO_i|
     max|v| and |dz| <= |g| + |g0_i| + max |dA| (sum A <= 1), s takes D max|dO_i| max|v| + |g0_i|
     below 2^UNIT_BITS over the rows i a program sees: a dQ program its block's, a dK/dV program its

@@ -21,8 +21,8 @@ interior blocks skip the positional mask; boundary blocks (diagonal, window edge
 of the sequence) apply it. Segment ids are data, so with segments every visited block is masked.
 
 RoPE (constexpr ROPE, ROPE_INTERLEAVED; see "RoPE helpers" in `triton_tiles`): q and k tiles are rotated in
-registers right after their load, in every kernel; v is not rotated. The ROPE=False code path is
-the one without RoPE, unchanged (the RoPE branches are compile-time and add only unused arguments).
+registers right after their load, in every kernel; v is not rotated. The RoPE branches are
+compile-time: with ROPE=False they add only unused arguments.
 
 Importing this module imports triton: the interpreter (`TRITON_INTERPRET=1`) must be chosen in
 the environment before that happens.
@@ -47,7 +47,7 @@ LN2 = tl.constexpr(0.6931471805599453)  # usable inside @triton.jit
 # FMAs over d for each element, the same for k @ q^T as for q @ k^T. The interpreter's tl.dot is
 # np.matmul, i.e. the machine's BLAS, whose kernel and summation order depend on the operand shapes,
 # layouts and the CPU: k @ q^T [BLOCK_N, BLOCK_M] does not round like the forward's q @ k^T
-# [BLOCK_M, BLOCK_N] (on AMD EPYC, P then sums to 1 +- ~1e-6 and the fp32 dV error quadrupled).
+# [BLOCK_M, BLOCK_N] (docs/design/parity.md, 'Why fp32 pins exact matmuls').
 # So the interpreted dK/dV kernel computes its scores as the forward does (same tiles, same
 # layouts, same call) and transposes them; the compiled kernel keeps k @ q^T.
 _FWD_SCORES = tl.constexpr(INTERPRETED)
@@ -97,8 +97,8 @@ def default_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> Bloc
                           block_q_dq=16, block_k_dq=32, num_warps_bwd=4, num_stages_bwd=1)
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     # (block_q, block_k, warps, stages), (block_q_dkv, block_k_dkv, block_q_dq, block_k_dq, warps, stages). The 16-bit
-    # choices are the fastest of a small sweep on an H200 (bf16, B*H = 64, S = 4096, causal and
-    # not); fp32 ones are sized to fit shared memory and were checked to compile and pass there.
+    # choices are the fastest of a tile sweep (bf16, B*H = 64, S = 4096, causal and not); fp32
+    # ones are sized to fit shared memory.
     if padded <= 64:
         fwd = (128, 64, 4, 3) if not wide else (64, 64, 4, 2)
         bwd = (32, 128, 128, 32, 4, 3) if not wide else (32, 64, 64, 32, 4, 2)

@@ -1,7 +1,7 @@
 """Stick-breaking attention ("ExpoSB") for PyTorch: the definition and its plain (eager) reference.
 
-Definition (DESIGN.md "ExpoSB"; Tan et al., "Scaling Stick-Breaking Attention", arXiv 2410.17980;
-the same as `jax_attn.stick_breaking`). Strictly causal: for each batch b, head h, row i, key j < i,
+Definition (Tan et al., "Scaling Stick-Breaking Attention", arXiv 2410.17980, with an exponential
+distance decay; docs/design/stick_breaking.md; the same as `jax_attn.stick_breaking_attention`). Strictly causal: for each batch b, head h, row i, key j < i,
   z_ij = scale * q~_i . k~_j - lambda_h * (i - j)        (q~, k~: RoPE-rotated when asked; the
                                                         distance is the token index difference)
   beta_ij = sigmoid(z_ij),  A_ij = beta_ij * prod_{j<m<i} (1 - beta_im),

@@ -4,50 +4,25 @@ the autograd Function `StickBreakingFn` that `torch_ref.api.stick_breaking_atten
 Definition: see `torch_ref.ops.stick_breaking.reference`. Strictly causal; for key j < row i,
   z_ij = scale * q~_i . k~_j - lambda_h (i - j),  sp = softplus(z),  log beta = log sigmoid(z),
   log A_ij = log beta_ij - sum_{j<m<i} sp_im,  out_i = sum_j A_ij v_j,  rem_i = exp(-sum_j sp_ij).
-All log-space math is fp32; A is rounded to v.dtype for the A v product (fp32 accumulation).
-softplus(z) = max(z, 0) + t and log sigmoid(z) = min(z, 0) - t with t = log1p(exp(-|z|)) (an
-accurate log1p: tl has none).
-
-16-bit inputs (BASE2, derived in each kernel from q's dtype): the tiles are bound by elementwise
-transcendental work, so every log-space quantity is kept in base 2 instead: z2 = z log2(e),
-t = log2(1 + 2^-|z2|), sp2 = max(z2, 0) + t = sp / ln 2, log2 beta = min(z2, 0) - t; the running
-sums (c, the suffix sums, the stored CB) are in log2 units and A, sigma, rem are 2^(...). Compiled,
-exp2 / log2 are single MUFU instructions (ex2 / lg2.approx.ftz.f32, inline PTX; tl.log is
-libdevice's exact logf, a long ALU sequence). lg2.approx errs <= 2^-22.6 absolute on [1, 2] and
-rounding 1 + x <= 2^-24 per key, far below what a 16-bit output resolves. Under the interpreter
-(no inline asm) tl.exp2 / tl.log2 stand in, so the CPU tests still run the base-2 units. Gradients
-(dz, g, the prefix sums) are unit-free. fp32 inputs keep the exact natural-log path.
-
-Forward (one program per query tile, head, batch row): walk the key blocks from the diagonal
-leftwards; `c` is the sum of sp over the keys already walked (to the right). Per tile the strict
-suffix sum along the keys is cumsum(sp, reverse) - sp (not rowsum - cumsum: that one carries an
-error of eps * rowsum into log A right at the diagonal, where A is largest; 30x the reference's
-error in fp32). No max shift is needed: log A <= 0.
-
-Backward, with g_ij = A_ij (dO_i . v_j), sigma = sigmoid(z) and the inclusive prefix
-P_ij = sum_{m<=j} g_im + drem_i rem_i:
-  dz_ij = g_ij - sigma_ij P_ij   (j < i; else 0),
-  dq = scale * dz k~, dk = scale * dz^T q~ (both rotated back with RoPE), dv = A^T dO,
+Backward, with g_ij = A_ij (dO_i . v_j), sigma = sigmoid(z), P_ij = sum_{m<=j} g_im + drem_i rem_i:
+  dz_ij = g_ij - sigma_ij P_ij,  dq = scale dz k~, dk = scale dz^T q~, dv = A^T dO,
   d lambda_h = -sum_{b,i,j} dz_ij (i - j).
-(P_ij = Drow_i - sum_{j<m<i} g_im with Drow_i = dO_i . out_i + drem_i rem_i, but evaluating it that
-way from the right cancels: an error of eps * |Drow_i| on every key, weighted by sigma_ij, which is
-not small far from the diagonal: 9x the reference's dq error and 100x its d lambda error in fp32.
-So P is summed from the left, like the reference's autograd does, and `out` is not needed.)
-dQ kernel, one program per query tile, head, batch row, two passes over the same key blocks:
-pass 1 walks right to left (like the forward, softplus only) and stores the softplus sum right of
-each key block, Cb [B, Hq, key blocks, S] fp32; pass 2 walks left to right with the prefix sums
-of g, computes dz and dq (and d lambda per row), and stores the prefix at each block's left edge,
-Pb [B, Hq, key blocks, S]. The dK/dV kernel (one program per key block and kv head, looping over
-the GQA group's heads and the query tiles at and below the diagonal) reads Cb and Pb back, so
-both backward kernels share the key block size `bwd_block_n`. No atomics: deterministic.
+All log-space math is fp32 (softplus via an accurate log1p: tl has none); A is rounded to v.dtype
+for the A v product. 16-bit inputs (BASE2) keep every log-space quantity in base 2, exp2 / log2
+compiled to single MUFU instructions (inline PTX), because the tiles are bound by transcendental
+work; the interpreter stands in tl.exp2 / tl.log2. fp32 inputs keep the exact natural-log path.
 
-Masking: tiles strictly left of the diagonal (every key < every row of the tile, all in range)
-skip the element mask; diagonal tiles and the ragged end of the sequence apply it. Row 0 (no
-key) and key S - 1 (seen by no row) are kept out of the products, so NaN / inf there cannot spread.
+The forward walks key blocks from the diagonal leftwards with the softplus sum to the right (the
+in-tile strict suffix as cumsum(sp, reverse) - sp, not rowsum - cumsum, which loses accuracy at
+the diagonal). The dQ kernel walks twice: right to left storing the softplus sum right of each key
+block (Cb), then left to right with the g prefix sums (P summed from the left: from the right it
+cancels), storing them at each block's left edge (Pb); the dK/dV kernel (per key block and kv head,
+over the GQA group and the query tiles at and below the diagonal) reads Cb and Pb back, so both
+backward kernels share `block_k_bwd`. No atomics: deterministic. Tiles strictly left of the diagonal
+skip the element mask. RoPE uses the shared helpers of `torch_ref.ops.common.triton_tiles`.
+Design and figures: docs/design/stick_breaking.md.
 
-RoPE reuses the shared helpers of `torch_ref.ops.common.triton_tiles` (q, k tiles loaded as the two rotated pair halves;
-dq, dk accumulated as halves and rotated back before the store). Importing this module imports
-triton: choose the interpreter (TRITON_INTERPRET=1) before that.
+Importing this module imports triton: choose the interpreter (TRITON_INTERPRET=1) before that.
 """
 from __future__ import annotations
 
@@ -94,18 +69,9 @@ class StickBreakingBlockSizes:
 
 
 def default_stick_breaking_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> StickBreakingBlockSizes:
-    """16-bit tiles chosen by timing on an H100 (bf16, 2x8192x16xD, per-head decay; session 9,
-    `benchmarks/results/torch-sb-sweep-s9-2026-11-22.txt`); fp32 tiles by register pressure only.
-
-    Head dim 128: forward+backward 54.6 -> about 18 ms without RoPE (forward 7.1 -> 4.0), 315 ->
-    73 ms with RoPE; head dim 64: 26 -> about 14; 256: forward 16.8 -> 5.1, and the backward's
-    tiles alone 122 -> 56 ms forward+backward (with RoPE 909 -> 792). 4 warps beat 8 everywhere, and
-    the RoPE forward at 128 keeps 32-key tiles (64 keys ran 4.0 -> 3.8 ms without RoPE but 12.4 ->
-    17.0 with it). The tiles hold more live fp32 [rows, keys] temporaries than the softmax
-    kernels (z, softplus, log sigmoid, suffix sums, A; in the backward also g, the prefix sums and
-    dz): every 16-bit kernel runs at 244-255 registers a thread, and with RoPE and a learnable decay
-    they spill (ptxas -v, sm_90a, Triton 3.6): up to 1 KB a thread at head dim 128 (backward), 9.5 KB
-    (dQ) at 256. The interpreter gets small tiles so that the CPU tests stay fast.
+    """16-bit tiles chosen by timing (docs/design/stick_breaking.md, 'Measurements'); fp32 tiles
+    by register pressure only: these tiles hold more live fp32 [rows, keys] temporaries than the
+    softmax kernels. The interpreter gets small tiles so that the CPU tests stay fast.
     """
     padded = block_d(head_dim)
     fields = ("block_q", "block_k", "num_warps", "num_stages", "block_k_bwd", "block_q_dq", "block_q_dkv",
