@@ -109,13 +109,14 @@ def block_table(before, after, q_len: int, kv_len: int, block_q: int, block_k: i
 
 
 def block_lists(needed, start, width: int, xp=np):
-    """Explicit plans: needed [..., n_outer, steps] bool, start [n_outer, 1] int -> (near, count,
+    """Explicit plans: needed [..., n_outer, steps] bool, start [..., n_outer, 1] int (broadcast
+    against needed, same rank) -> (near, count,
     lists). Each outer block walks steps [start, near) contiguously, `near` being the first step
     from `start` on that is not needed (steps when none is), then the `count` needed steps past
     `near`, listed in order in lists [..., n_outer, width >= steps] (0 past count). The steps in
     neither part add nothing."""
     steps = needed.shape[-1]
-    step = xp.arange(steps)[None, :]
+    step = xp.arange(steps).reshape((1,) * (needed.ndim - 1) + (steps,))
     near = xp.where((step >= start) & ~needed, step, steps).min(axis=-1)
     extra = needed & (step > near[..., None])
     outer = extra.shape[:-1]

@@ -73,7 +73,7 @@ def _lists_by_loop(needed, start):
     near = np.empty(needed.shape[:-1], int)
     lists = []
     for idx in np.ndindex(*needed.shape[:-1]):
-        row, s = needed[idx], int(start[idx[-1], 0])
+        row, s = needed[idx], int(start[0, 0, idx[-1], 0])
         steps = [t for t in range(s, row.size) if not row[t]]
         near[idx] = steps[0] if steps else row.size
         lists.append([t for t in range(near[idx] + 1, row.size) if row[t]])
@@ -84,7 +84,7 @@ def _lists_by_loop(needed, start):
 def test_block_lists(xp):
     rng = np.random.default_rng(3)
     needed = rng.random((2, 3, 5, 12)) < 0.3
-    start = rng.integers(0, 13, (5, 1))
+    start = rng.integers(0, 13, (1, 1, 5, 1))
     near, count, lists = visit.block_lists(xp.asarray(needed), xp.asarray(start), 16, xp=xp)
     want_near, want_lists = _lists_by_loop(needed, start)
     np.testing.assert_array_equal(np.asarray(near), want_near)

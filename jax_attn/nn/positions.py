@@ -10,12 +10,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from attn_spec.positions import check_dim, check_length, sinusoidal_encoding
+from jax_attn.ops.common.rope import wide_float
 
 
 def sinusoidal_at(positions, dim: int, dtype=jnp.float32):
     """The encoding of integer `positions` (any shape [...]): [..., dim]."""
     dim = check_dim(dim)
-    compute = jnp.promote_types(dtype, jnp.float32)
+    compute = wide_float(dtype)
     pair_index = jnp.arange(0, dim // 2, dtype=compute)
     return sinusoidal_encoding(jnp.asarray(positions).astype(compute), pair_index, jnp).astype(dtype)
 

@@ -29,6 +29,12 @@ def merge_pairs(x_a, x_b, style: str):
     return jnp.concatenate([x_a, x_b], axis=-1)
 
 
+def wide_float(dtype):
+    """float32, or float64 for float64: the compute dtype of the plain references (spelled out, as
+    jax's strict dtype promotion refuses promote_types(bfloat16, float32))."""
+    return jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
+
+
 def inverse_frequencies(head_dim: int, base: float, dtype=jnp.float32):
     """theta_i = base ** (-2 i / D), [D/2]."""
     return base ** (-jnp.arange(0, head_dim // 2, dtype=dtype) * 2 / head_dim)
@@ -36,10 +42,10 @@ def inverse_frequencies(head_dim: int, base: float, dtype=jnp.float32):
 
 def apply_rope(x, positions, rope: Rope):
     """Rotate x [B, S, H, D] by positions [B, S] (None: arange) (plain jnp; in float32 or wider)."""
-    compute = jnp.promote_types(x.dtype, jnp.float32)
+    compute = wide_float(x.dtype)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-    angle = positions.astype(compute)[:, :, None, None] * inverse_frequencies(x.shape[-1], rope.base, compute)
+    angle = positions.astype(compute)[:, :, None, None] * inverse_frequencies(x.shape[-1], rope.base, compute)[None, None, None]
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x_a, x_b = split_pairs(x.astype(compute), rope.style)
     out = merge_pairs(x_a * cos - x_b * sin, x_a * sin + x_b * cos, rope.style)

@@ -184,7 +184,7 @@ def rope_tables(pos, rope, head_dim: int, head_pad: int, length: int, batch: int
     inv_freq = padding.pad_axis(inverse_frequencies(head_dim, rope.base), 0, head_pad // 2)
     if pos is None:
         pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    angle = padding.pad_axis(pos, 1, length, mode="edge").astype(jnp.float32)[:, :, None] * inv_freq
+    angle = padding.pad_axis(pos, 1, length, mode="edge").astype(jnp.float32)[:, :, None] * inv_freq[None, None]
     return jnp.stack([jnp.cos(angle), jnp.sin(angle)], axis=1)
 
 

@@ -128,7 +128,7 @@ def rope_tables(rope: Rope, head_dim: int, head_pad: int, length: int):
         theta = theta[_pair_order(pairs)]
 
     def table(positions):  # the angle as the reference computes it: fp32 position * theta
-        angle = positions.astype(jnp.float32)[:, None] * theta
+        angle = positions.astype(jnp.float32)[:, None] * theta[None]
         return jnp.stack([jnp.cos(angle), jnp.sin(angle)])
 
     return table(jnp.arange(0, length, ROPE_ROWS)), table(jnp.arange(ROPE_ROWS))

@@ -29,8 +29,8 @@ def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=No
     s = s * spec.scale
     if spec.softcap is not None:
         s = spec.softcap * jnp.tanh(s / spec.softcap)
-    rows = jnp.arange(q_len)[:, None]
-    cols = jnp.arange(kv_len)[None, :]
+    rows = jnp.arange(q_len)[None, None, None, :, None]  # against s [B, Hkv, G, Sq, Sk]
+    cols = jnp.arange(kv_len)[None, None, None, None, :]
     seg_q = q_seg[:, None, None, :, None] if spec.has_segments else None
     seg_k = kv_seg[:, None, None, None, :] if spec.has_segments else None
     mask = visible(spec, rows, cols, kv_len, seg_q, seg_k)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_attn.ops.common.rope import apply_rope
+from jax_attn.ops.common.rope import apply_rope, wide_float
 from jax_attn.ops.common.spec import AttentionSpec
 
 
@@ -24,11 +24,11 @@ def stick_breaking_reference(q, k, v, decay, spec: AttentionSpec, *, pos=None):
     batch, seq_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
-    wide = jnp.promote_types(q.dtype, jnp.float32)
+    wide = wide_float(q.dtype)
     qg = q.reshape(batch, seq_len, num_kv_heads, group, head_dim)
     raw = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=spec.precision, preferred_element_type=wide)
-    rows = jnp.arange(seq_len)[:, None]
-    cols = jnp.arange(seq_len)[None, :]
+    rows = jnp.arange(seq_len)[:, None][None, None, None]  # [1, 1, 1, S, 1] against [B, Hkv, G, S, S]
+    cols = jnp.arange(seq_len)[None, :][None, None, None]
     lam = decay.astype(wide).reshape(num_kv_heads, group)[None, :, :, None, None]
     z = raw * spec.scale - lam * (rows - cols).astype(wide)
     valid = cols < rows

@@ -593,7 +593,7 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: in
     first = spent.reshape(batch, num_heads, seq_pad // block_q, block_q).min(axis=3)
     needs = spent.reshape(batch, num_heads // group, group, num_q_blocks, block_q_dkv).min(axis=4)
     needs = jnp.swapaxes(needs, 2, 3).reshape(batch, num_heads // group, 1, num_q_blocks * group)
-    key_block = jnp.arange(num_k_blocks)[:, None]  # [key blocks, 1] against steps
+    key_block = jnp.arange(num_k_blocks)[None, None, :, None]  # [1, 1, key blocks, 1] against steps
     full = jnp.minimum((key_block * block_k + block_k - 1) // block_q_dkv + 1, num_q_blocks) * group
     near, count, extras = visit.block_lists(needs <= key_block, full, pow2_at_least(num_q_blocks * group),
                                             xp=jnp)
