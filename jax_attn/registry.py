@@ -15,11 +15,12 @@ Implementation names (tokamax's, the same in torch_ref wherever the thing is the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from attn_spec.registry import Entry, Registry, UnknownImplementationError
 from jax_attn.device import pallas_triton_unsupported_reason
 from jax_attn.ops.common.spec import AttentionSpec, padded_head_dim
 from jax_attn.ops.softmax import mosaic as softmax_mosaic
@@ -35,10 +36,6 @@ VARIANTS = ("softmax", "stick_breaking")
 
 __all__ = ["ALIASES", "Call", "Entry", "IMPLEMENTATIONS", "REGISTRY", "UnknownImplementationError", "VARIANTS",
            "canonical", "check_config", "choose", "default_implementation", "resolve"]
-
-
-class UnknownImplementationError(ValueError, NotImplementedError):
-    """`implementation` names no implementation (a ValueError and a NotImplementedError)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,27 +56,6 @@ class Call:
     @property
     def head_pad(self) -> int:
         return padded_head_dim(self.spec, self.head_dim)
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One (variant, implementation).
-
-    fn: softmax: fn(q, k, v, q_seg, kv_seg, spec, *, q_pos, kv_pos, config) -> (out, lse);
-        stick-breaking: fn(q, k, v, decay, spec, *, pos, config) -> (out, rem).
-    unsupported_reason(call): why it cannot serve the call (device, dtype, head dim, features), or None.
-    config_type: its tile config class (None: it takes no config).
-    default_config(call): the config a call gets when none is given.
-    config_reason(config, call): why a (valid) config cannot serve the call, or None.
-    """
-
-    variant: str
-    name: str
-    fn: Callable
-    unsupported_reason: Callable[[Call], str | None]
-    config_type: type | None = None
-    default_config: Callable[[Call], Any] = lambda call: None
-    config_reason: Callable[[Any, Call], str | None] = lambda config, call: None
 
 
 def _float64_reason(call: Call) -> str | None:
@@ -151,38 +127,20 @@ def _stick_breaking_default(call: Call):
 
 
 _ENTRIES = (
-    Entry("softmax", "triton", _softmax_triton, _triton_reason, softmax_triton.BlockSizes, _softmax_triton_default),
-    Entry("softmax", "mosaic", _softmax_mosaic, _softmax_mosaic_reason, softmax_mosaic.MosaicBlockSizes,
+    Entry("softmax", "triton", _softmax_triton, _triton_reason, lambda: softmax_triton.BlockSizes,
+          _softmax_triton_default),
+    Entry("softmax", "mosaic", _softmax_mosaic, _softmax_mosaic_reason, lambda: softmax_mosaic.MosaicBlockSizes,
           lambda call: softmax_mosaic.default_mosaic_block_sizes(call.head_pad), _softmax_mosaic_config_reason),
     Entry("softmax", "xla", _softmax_xla, lambda call: None),
     Entry("stick_breaking", "triton", _stick_breaking_triton, _triton_reason,
-          stick_breaking_triton.StickBreakingBlockSizes, _stick_breaking_default),
+          lambda: stick_breaking_triton.StickBreakingBlockSizes, _stick_breaking_default),
     # the config is the Triton backward's (the Mosaic forward's tiles are fixed: 64 rows, 64 keys)
     Entry("stick_breaking", "mosaic", _stick_breaking_mosaic, _stick_breaking_mosaic_reason,
-          stick_breaking_triton.StickBreakingBlockSizes, _stick_breaking_default, _stick_breaking_mosaic_config_reason),
+          lambda: stick_breaking_triton.StickBreakingBlockSizes, _stick_breaking_default,
+          _stick_breaking_mosaic_config_reason),
     Entry("stick_breaking", "xla", _stick_breaking_xla, lambda call: None),
 )
-# variant -> canonical name -> entry. Adding a backend = one entry (and, if it should be picked by
-# default, a line in `choose`).
-REGISTRY: dict[str, dict[str, Entry]] = {
-    variant: {e.name: e for e in _ENTRIES if e.variant == variant} for variant in VARIANTS}
-
-
-def canonical(variant: str, implementation: str) -> str:
-    """The canonical name of `implementation` for `variant`, or UnknownImplementationError."""
-    if variant not in REGISTRY:
-        raise ValueError(f"unknown variant={variant!r}; choose one of {VARIANTS}")
-    names = REGISTRY[variant]
-    name = ALIASES.get(implementation, implementation) if isinstance(implementation, str) else implementation
-    if not isinstance(name, str) or name not in names:
-        choices = ", ".join(repr(n) for n in names)
-        spellings = ", ".join(f"{old!r} for {new!r}" for old, new in ALIASES.items() if new in names)
-        raise UnknownImplementationError(
-            f"unknown implementation={implementation!r}; choose one of None, {choices} (also accepted: {spellings})")
-    return name
-
-
-def choose(variant: str, call: Call) -> str:
+def _choose(variant: str, call: Call) -> str:
     """The rule for implementation=None.
 
     Softmax: "xla" where Pallas Triton cannot run (e.g. TPU, pre-sm80 GPUs); "mosaic" where its
@@ -194,38 +152,15 @@ def choose(variant: str, call: Call) -> str:
     """
     if pallas_triton_unsupported_reason() is not None:
         return "xla"
-    if variant == "softmax" and REGISTRY[variant]["mosaic"].unsupported_reason(call) is None:
+    if variant == "softmax" and _softmax_mosaic_reason(call) is None:
         return "mosaic"
-    if variant not in REGISTRY:
-        raise ValueError(f"unknown variant={variant!r}; choose one of {VARIANTS}")
     return "triton"
 
 
-def resolve(variant: str, implementation: str | None, call: Call) -> Entry:
-    """The entry that computes `call`: `implementation` (a canonical name or an accepted spelling),
-    or the rule's choice for None. Raises UnknownImplementationError for an unknown name and
-    NotImplementedError, saying why, for an implementation that cannot serve the call."""
-    name = choose(variant, call) if implementation is None else canonical(variant, implementation)
-    entry = REGISTRY[variant][name]
-    if reason := entry.unsupported_reason(call):
-        raise NotImplementedError(f"implementation={name!r} cannot serve this call: {reason}")
-    return entry
-
-
-def check_config(entry: Entry, config, call: Call):
-    """The tile config a call runs with: `config` validated against the entry (TypeError for the
-    wrong type, ValueError if it cannot serve the call), or the entry's default for None."""
-    if config is None:
-        return entry.default_config(call)
-    if entry.config_type is None:
-        raise TypeError(f"implementation={entry.name!r} takes no tile config; got config={config!r} "
-                        f"(pass config=None)")
-    if not isinstance(config, entry.config_type):
-        raise TypeError(f"config must be a {entry.config_type.__module__}.{entry.config_type.__name__} for "
-                        f"implementation={entry.name!r}, got {type(config).__name__}")
-    if reason := entry.config_reason(config, call):
-        raise ValueError(f"config={config} cannot serve this call: {reason}")
-    return config
+# variant -> canonical name -> entry. Adding a backend = one entry (and, if it should be picked by
+# default, a line in `_choose`).
+REGISTRY = Registry(_ENTRIES, _choose, ALIASES)
+canonical, choose, resolve, check_config = REGISTRY.canonical, REGISTRY.choose, REGISTRY.resolve, REGISTRY.check_config
 
 
 def default_implementation(spec: AttentionSpec | None = None, head_dim: int | None = None,

@@ -190,7 +190,7 @@ def test_torch_unknown_names(name):
     x = torch.zeros(1, 8, 2, 16)
     for f in (torch_ref.flash_attention, torch_ref.stick_breaking_attention):
         with pytest.raises(torch_ref.UnknownImplementationError,
-                           match=r"implementation must be None, 'triton' or 'eager', got"):
+                           match=r"unknown implementation=.*choose one of None, 'triton', 'eager'$"):
             f(x, x, x, implementation=name)
 
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import torch
+
+from attn_spec.registry import Entry, Registry, UnknownImplementationError
 
 from .ops.common.validation import segment_pair_for_kernel
 from .ops.softmax import reference as softmax_ref
@@ -42,10 +44,6 @@ _TRITON_CONFIGS = {"softmax": ("BlockSizes", "default_block_sizes"),
 __all__ = ["Call", "Entry", "IMPLEMENTATIONS", "REGISTRY", "TRITON_MODULES", "UnknownImplementationError", "VARIANTS",
            "canonical", "check_config", "choose", "interpreter_requested", "resolve", "resolve_implementation",
            "triton_module"]
-
-
-class UnknownImplementationError(ValueError, NotImplementedError):
-    """`implementation` is not None, "triton" or "eager" (both a ValueError and a NotImplementedError)."""
 
 
 def interpreter_requested() -> bool:
@@ -67,27 +65,6 @@ class Call:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One (variant, implementation).
-
-    fn: softmax: fn(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, rope, q_pos, kv_pos,
-        config) -> (out, lse); stick-breaking: fn(q, k, v, *, scale, decay, rope, q_pos, kv_pos,
-        config) -> (out, rem).
-    unsupported_reason(call): why it cannot serve the call (device, dtype), or None.
-    config_type(): its tile config class (None: it takes no config); a function, so that Triton
-      is imported only when asked.
-    default_config(call): the config a call gets when none is given.
-    """
-
-    variant: str
-    name: str
-    fn: Callable
-    unsupported_reason: Callable[[Call], str | None]
-    config_type: Callable[[], type | None] = lambda: None
-    default_config: Callable[[Call], Any] = lambda call: None
 
 
 def _triton_reason(call: Call, variant: str) -> str | None:
@@ -163,53 +140,17 @@ _ENTRIES = (
     _triton_entry("stick_breaking", _stick_breaking_triton),
     Entry("stick_breaking", "eager", _stick_breaking_eager, lambda call: None),
 )
-# variant -> name -> entry. Adding a backend = one entry.
-REGISTRY: dict[str, dict[str, Entry]] = {
-    variant: {e.name: e for e in _ENTRIES if e.variant == variant} for variant in VARIANTS}
 
 
-def canonical(variant: str, implementation) -> str:
-    """`implementation` checked against the names of `variant`, or UnknownImplementationError."""
-    if variant not in REGISTRY:
-        raise ValueError(f"unknown variant={variant!r}; choose one of {VARIANTS}")
-    if not isinstance(implementation, str) or implementation not in REGISTRY[variant]:
-        raise UnknownImplementationError(
-            f"implementation must be None, 'triton' or 'eager', got {implementation!r}")
-    return implementation
-
-
-def choose(variant: str, call: Call) -> str:
+def _choose(variant: str, call: Call) -> str:
     """The rule for implementation=None, every variant: "triton" when q is on CUDA or the Triton
     interpreter is active (os.environ["TRITON_INTERPRET"] == "1"), else "eager"."""
-    if variant not in REGISTRY:
-        raise ValueError(f"unknown variant={variant!r}; choose one of {VARIANTS}")
     return "triton" if (call.is_cuda or interpreter_requested()) else "eager"
 
 
-def resolve(variant: str, implementation: str | None, call: Call) -> Entry:
-    """The entry that computes `call`: `implementation`, or the rule's choice for None. Raises
-    UnknownImplementationError for an unknown name and NotImplementedError, saying why, for an
-    implementation that cannot serve the call."""
-    name = choose(variant, call) if implementation is None else canonical(variant, implementation)
-    entry = REGISTRY[variant][name]
-    if reason := entry.unsupported_reason(call):
-        raise NotImplementedError(f"implementation={name!r} cannot serve this call: {reason}")
-    return entry
-
-
-def check_config(entry: Entry, config, call: Call):
-    """The tile config a call runs with: `config` validated against the entry (TypeError for the
-    wrong type), or the entry's default for None."""
-    if config is None:
-        return entry.default_config(call)
-    config_type = entry.config_type()
-    if config_type is None:
-        raise TypeError(f"implementation={entry.name!r} takes no tile config; got config={config!r} "
-                        f"(pass config=None)")
-    if not isinstance(config, config_type):
-        raise TypeError(f"config must be a {config_type.__module__}.{config_type.__name__} for "
-                        f"implementation={entry.name!r}, got {type(config).__name__}")
-    return config
+# variant -> name -> entry. Adding a backend = one entry.
+REGISTRY = Registry(_ENTRIES, _choose)
+canonical, choose, resolve, check_config = REGISTRY.canonical, REGISTRY.choose, REGISTRY.resolve, REGISTRY.check_config
 
 
 def resolve_implementation(q: torch.Tensor, implementation=None) -> str:

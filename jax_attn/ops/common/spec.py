@@ -12,14 +12,9 @@ import math
 import jax
 
 from attn_spec.rope import Rope
+from attn_spec.tiles import pow2_at_least
 
 LOG2E = math.log2(math.e)  # the kernels exponentiate in base 2
-
-
-def pow2_at_least(n: int, minimum: int = 16) -> int:
-    """The power of two >= n and >= minimum: tile sides and padded head dims (16 = the smallest
-    side a matrix-unit dot takes)."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
 def padded_head_dim(spec: "AttentionSpec", head_dim: int) -> int:

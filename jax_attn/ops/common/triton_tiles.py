@@ -3,7 +3,6 @@ q/k tiles as RoPE's pairs, in-kernel rotations from cos/sin tables, and the side
 ids, RoPE tables) as block specs."""
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,26 +13,6 @@ from jax_attn.ops.common.rope import inverse_frequencies
 from jax_attn.ops.common.spec import AttentionSpec
 
 
-MIN_BLOCK = 16  # smallest tile side a Triton dot accepts
-
-
-def check_launch_fields(blocks) -> None:
-    """The checks every Triton tile config shares (`BlockSizes`, `StickBreakingBlockSizes`): ints;
-    tiles (block_*) powers of two >= MIN_BLOCK; num_warps* powers of two; num_stages* >= 1 (None
-    where a field defaults to another)."""
-    name = type(blocks).__name__
-    for f in dataclasses.fields(blocks):
-        value = getattr(blocks, f.name)
-        if value is None and f.default is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name}.{f.name}={value!r} must be an int")
-        if f.name.startswith("block_") and (value < MIN_BLOCK or value & (value - 1)):
-            raise ValueError(f"{name}.{f.name}={value} must be a power of two >= {MIN_BLOCK}")
-        if f.name.startswith("num_warps") and (value < 1 or value & (value - 1)):
-            raise ValueError(f"{name}.{f.name}={value} must be a power of two >= 1")
-        if f.name.startswith("num_stages") and value < 1:
-            raise ValueError(f"{name}.{f.name}={value} must be >= 1")
 
 
 def dot(a, b, spec, *, trans_b=False):

@@ -25,8 +25,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.ops.common import padding, triton_tiles as tiles
-from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least, visible
-from jax_attn.ops.common.triton_tiles import check_launch_fields, rope_tables
+from attn_spec.tiles import BlockSizes
+from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, visible
+from jax_attn.ops.common.triton_tiles import rope_tables
 from jax_attn.ops.common.visit import block_ranges
 from jax_attn.ops.softmax import mosaic as mosaic_gpu
 
@@ -36,35 +37,6 @@ from jax_attn.ops.softmax import mosaic as mosaic_gpu
 warnings.filterwarnings(
     "ignore", message=r"The Pallas Triton backend is deprecated and will be removed in a future JAX version",
     category=DeprecationWarning)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sides and launch parameters of the three kernels (static; see `default_block_sizes`)."""
-
-    block_q: int = 128
-    block_k: int = 64
-    block_q_dkv: int = 64
-    block_k_dkv: int = 128
-    block_q_dq: int = 128
-    block_k_dq: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    num_warps_bwd: int = 8
-    num_stages_bwd: int = 2
-
-    def __post_init__(self):
-        check_launch_fields(self)
-
-
-    def fitted(self, q_len: int, kv_len: int) -> "BlockSizes":
-        """Shrink tiles that exceed the (power-of-two rounded) sequence they tile."""
-        cap_q, cap_k = pow2_at_least(q_len), pow2_at_least(kv_len)
-        return dataclasses.replace(
-            self,
-            block_q=min(self.block_q, cap_q), block_k=min(self.block_k, cap_k),
-            block_q_dkv=min(self.block_q_dkv, cap_q), block_k_dkv=min(self.block_k_dkv, cap_k),
-            block_q_dq=min(self.block_q_dq, cap_q), block_k_dq=min(self.block_k_dq, cap_k))
 
 
 def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16, rope: bool = False,

@@ -31,8 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.ops.common import padding, triton_tiles as tiles, visit
-from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, pow2_at_least
-from jax_attn.ops.common.triton_tiles import check_launch_fields, rope_tables
+from attn_spec.tiles import check_launch_fields, pow2_at_least
+from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim
+from jax_attn.ops.common.triton_tiles import rope_tables
 from jax_attn.ops.stick_breaking import mosaic as stick_breaking_mosaic
 from jax_attn.ops.stick_breaking.numerics import SP_CAP, SPENT, SPENT_FTZ
 

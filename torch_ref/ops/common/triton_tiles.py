@@ -12,38 +12,21 @@ the environment before that happens.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from attn_spec.tiles import MIN_BLOCK
+
 # Whether the @triton.jit functions below (and the kernels built on them) were built for the
 # interpreter (fixed at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 __all__ = ["INTERPRETED", "load_2d", "load_rotated", "load_own", "store_unrotated", "precision", "rope_args",
-           "device_ctx", "MIN_BLOCK", "block_d", "check_launch_fields"]
+           "device_ctx", "block_d"]
 
-MIN_BLOCK = 16  # the tl.dot minimum
-
-
-def check_launch_fields(blocks) -> None:
-    """The checks every Triton tile config shares (`BlockSizes`, `StickBreakingBlockSizes`; as
-    jax_attn's): ints; tiles (block_*) powers of two >= MIN_BLOCK; num_warps* powers of two;
-    num_stages* >= 1."""
-    name = type(blocks).__name__
-    for f in dataclasses.fields(blocks):
-        value = getattr(blocks, f.name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name}.{f.name}={value!r} must be an int")
-        if f.name.startswith("block_") and (value < MIN_BLOCK or value & (value - 1)):
-            raise ValueError(f"{name}.{f.name}={value} must be a power of two >= {MIN_BLOCK}")
-        if f.name.startswith("num_warps") and (value < 1 or value & (value - 1)):
-            raise ValueError(f"{name}.{f.name}={value} must be a power of two >= 1")
-        if f.name.startswith("num_stages") and value < 1:
-            raise ValueError(f"{name}.{f.name}={value} must be >= 1")
 
 
 def block_d(head_dim: int) -> int:

@@ -29,13 +29,14 @@ the environment before that happens.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
-from ..common.triton_tiles import (INTERPRETED, block_d, check_launch_fields, device_ctx, load_2d, load_own, load_rotated,
+from attn_spec.tiles import BlockSizes
+
+from ..common.triton_tiles import (INTERPRETED, block_d, device_ctx, load_2d, load_own, load_rotated,
                                    precision, rope_args, store_unrotated)
 from ..common.validation import MAX_HEAD_DIM
 from ..common.visit import block_ranges
@@ -56,33 +57,6 @@ _FWD_SCORES = tl.constexpr(INTERPRETED)
 # ----------------------------------------------------------------------------------------------
 # Block configuration
 # ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes and launch parameters of the three kernels (the fields of jax_attn's `BlockSizes`).
-
-    forward: program = block_q query rows, loops over key tiles of block_k (num_warps, num_stages).
-    dK/dV:   program = block_k_dkv key rows, loops over query tiles of block_q_dkv (all GQA heads).
-    dQ:      program = block_q_dq query rows, loops over key tiles of block_k_dq.
-    The two backward kernels launch with num_warps_bwd, num_stages_bwd. Tiles: powers of two >= 16
-    (any combination works). The head dim tile is not a field: it is the head dim rounded up to a
-    power of two (`block_d`).
-    """
-
-    block_q: int = 128
-    block_k: int = 64
-    block_q_dkv: int = 64
-    block_k_dkv: int = 128
-    block_q_dq: int = 128
-    block_k_dq: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    num_warps_bwd: int = 8
-    num_stages_bwd: int = 2
-
-    def __post_init__(self):
-        check_launch_fields(self)
-
-
 def default_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> BlockSizes:
     """Heuristic on head dim and element size.
 

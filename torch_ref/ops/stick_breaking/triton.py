@@ -32,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton_tiles import (INTERPRETED, block_d, check_launch_fields, device_ctx, load_2d, load_own, load_rotated,
+from attn_spec.tiles import check_launch_fields
+
+from ..common.triton_tiles import (INTERPRETED, block_d, device_ctx, load_2d, load_own, load_rotated,
                                    precision, rope_args, store_unrotated)
 
 __all__ = ["StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "forward", "backward", "StickBreakingFn", "INTERPRETED"]
