@@ -1,0 +1,137 @@
+"""The stick-breaking record: `stick_breaking_attention` (ExpoSB, strictly causal, Sq == Sk) in
+both frameworks, with a learnable decay (float32 leaf; float64 in the golden).
+
+Compared: out, rem, dq, dk, dv and d decay (a random cotangent on rem unless the case says not).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import jax_attn
+import jax_attn.registry
+import torch_ref
+from parity.cases import Case, case, draw
+from parity import variants as v
+
+
+def _sb_case(name, shape, dtype="float32", rope=None, stat_grad=True, **kw) -> Case:
+    """Shape (B, S, Hq, Hkv, D); rope (style, base) or None; decay=float or per-head tuple."""
+    b, s, hq, hkv, d = shape
+    return case(name, (b, s, s, hq, hkv, d), dtype, variant="stick_breaking", rope=rope, stat_grad=stat_grad, **kw)
+
+
+def run_jax(case: Case, implementation: str, dtype: str, inputs) -> list:
+    q, k, vv, do, dstat, _, pos = inputs
+    cast = lambda x: jnp.asarray(x, v.JAX_DTYPES[dtype])
+    stat = v.JAX_DTYPES[v.stat_dtype(dtype)]
+    extra = {} if case.rope is None else dict(rope=jax_attn.Rope(style=case.rope[0], base=case.rope[1]),
+                                             positions=v.jax_ints(pos))
+
+    def f(q, k, vv, decay):
+        return jax_attn.stick_breaking_attention(q, k, vv, decay=decay, return_remainder=True,
+                                                 implementation=implementation, **case.call_kwargs(), **extra)
+
+    (out, rem), vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(vv), jnp.asarray(case.decay, stat))
+    grads = vjp((cast(do), jnp.asarray(dstat, stat)))
+    return [v.to_numpy(x) for x in (out, rem, *grads)]
+
+
+def run_torch(case: Case, implementation: str, dtype: str, inputs, device="cpu") -> list:
+    q, k, vv, do, dstat, _, pos = inputs
+    tdt = v.TORCH_DTYPES[dtype]
+    leaf = lambda x, dt=tdt: torch.tensor(x, dtype=dt, device=device, requires_grad=True)
+    leaves = [leaf(q), leaf(k), leaf(vv), leaf(case.decay, v.TORCH_DTYPES[v.stat_dtype(dtype)])]
+    extra = {} if case.rope is None else dict(rope=torch_ref.Rope(style=case.rope[0], base=case.rope[1]),
+                                             positions=v.torch_ints(pos, device))
+    out, rem = torch_ref.stick_breaking_attention(*leaves[:3], decay=leaves[3], return_remainder=True,
+                                                  implementation=implementation, **case.call_kwargs(), **extra)
+    cotangents = (torch.tensor(do, dtype=tdt, device=device), torch.tensor(dstat, dtype=rem.dtype, device=device))
+    grads = torch.autograd.grad((out, rem), leaves, cotangents)
+    return [v.to_numpy(x) for x in (out, rem, *grads)]
+
+
+def jax_call(case: Case):
+    rope = None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1])
+    spec = jax_attn.AttentionSpec(scale=1.0, causal=True, rope=rope)
+    return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype), positions=case.positions is not None)
+
+
+CASES = (
+    # Stick-breaking (ExpoSB): strictly causal; out, rem, dq, dk, dv and d decay, with a cotangent on rem.
+    _sb_case("sb_gqa", (1, 77, 4, 2, 32), quick=True),
+    _sb_case("sb_decay_per_head_d48", (2, 64, 4, 4, 48), decay=(0.0, 0.02, 0.1, 0.5)),
+    _sb_case("sb_rope_interleaved_mqa", (1, 70, 6, 1, 32), rope=("interleaved", 10000.0), decay=0.05),
+    _sb_case("sb_rope_half_packed_positions", (2, 72, 4, 2, 40), rope=("half", 500.0),
+             positions="restart_per_segment", decay=0.01),
+    _sb_case("sb_fp16", (1, 64, 2, 2, 64), "float16", decay=0.01),
+    _sb_case("sb_bf16_2k_gqa", (2, 2048, 8, 2, 128), "bfloat16", gpu=True),
+    _sb_case("sb_bf16_4k_rope_decay", (1, 4096, 4, 4, 128), "bfloat16", rope=("half", 10000.0),
+             decay=(0.0, 0.001, 0.01, 0.1), gpu=True),
+    _sb_case("sb_fp16_1k_d64", (2, 1000, 8, 8, 64), "float16", decay=0.01, gpu=True),
+    _sb_case("sb_fp32_1k", (1, 1024, 4, 2, 128), gpu=True),
+)
+
+_HEADS = {2: (0.0, 0.3), 4: (0.0, 0.1, 0.2, 0.3)}  # per-head decay (head 0: none), as linspace(0, 0.3, Hq)
+
+# The awkward-shape grid: S = 1, 17, 31, 33, 37, 45, 50, 64, 100 against tiles of 16 / 32 / 64, GQA / MQA,
+# head dims 16 to 80 (48, 80: padded), decay 0 / scalar / per head, RoPE both styles with default,
+# restarting and pair positions, cotangents on rem or not; fp32 and fp16 (bf16 on the GPU).
+GRID = (
+    _sb_case("ragged_37", (1, 37, 2, 2, 32), seed=0),
+    _sb_case("gqa_per_head_decay", (2, 50, 4, 2, 32), decay=(0.0, 0.05, 0.2, 1.0), seed=0),
+    _sb_case("mqa_scalar_decay_d48", (1, 33, 4, 1, 48), decay=0.1, seed=0),
+    _sb_case("single_token", (1, 1, 2, 2, 16), seed=0),
+    _sb_case("d80_17", (1, 17, 1, 1, 80), decay=0.3, seed=0),
+    *(_sb_case(f"rope_{style}_per_head_decay", (1, 40, 4, 2, 32), rope=(style, 500.0), decay=(0.0, 0.1, 0.0, 0.4),
+               seed=0)
+      for style in ("interleaved", "half")),
+    _sb_case("rope_restart_positions", (1, 45, 2, 2, 32), rope=("interleaved", 10000.0), positions="restart_halfway",
+             decay=0.05, seed=0),
+    _sb_case("fp16_64", (1, 64, 2, 2, 64), "float16", decay=0.02, seed=0),
+    # (from the torch grid)
+    _sb_case("single_token_mqa_no_rem_grad", (1, 1, 2, 1, 16), stat_grad=False),
+    _sb_case("single_token_fp16_per_head", (2, 1, 4, 2, 32), "float16", decay=_HEADS[4]),
+    _sb_case("s17_fp16", (1, 17, 2, 2, 16), "float16"),
+    _sb_case("s17_gqa_no_rem_grad", (2, 17, 4, 2, 32), decay=0.1, stat_grad=False),
+    _sb_case("s100_mqa_fp16_per_head", (1, 100, 4, 1, 64), "float16", decay=_HEADS[4], slow=True),
+    _sb_case("s100_rope_interleaved_d48", (1, 100, 2, 2, 48), rope=("interleaved", 10000.0), stat_grad=False,
+             slow=True),
+    _sb_case("s45_rope_half_restart_d80_fp16", (1, 45, 4, 2, 80), "float16", decay=0.07, rope=("half", 10000.0),
+             positions="restart_halfway", stat_grad=False),
+    _sb_case("s33_rope_half_pair_mqa", (2, 33, 2, 1, 64), decay=_HEADS[2], rope=("half", 10000.0),
+             positions="pair_random"),
+    _sb_case("s64_decay_scale_fp16", (1, 64, 2, 2, 32), "float16", decay=0.5, scale=0.3, stat_grad=False),
+    _sb_case("s31_rope_interleaved_restart_d16", (1, 31, 4, 4, 16), decay=_HEADS[4], rope=("interleaved", 10000.0),
+             positions="restart_halfway"),
+    _sb_case("s100_mqa_scalar_decay", (1, 100, 2, 1, 32), decay=0.07, slow=True),
+    # Compiled kernels at realistic shapes (make test-gpu).
+    *(_sb_case(f"gpu_gqa_d128_{dt}", (2, 1024, 8, 2, 128), dt, decay=0.01, gpu=True) for dt in ("bfloat16", "float16")),
+    *(_sb_case(f"gpu_rope_half_d64_{dt}", (1, 2048, 4, 4, 64), dt, rope=("half", 10000.0), gpu=True)
+      for dt in ("bfloat16", "float16")),
+    *(_sb_case(f"gpu_rope_interleaved_gqa_d128_{dt}", (1, 1024, 8, 2, 128), dt, rope=("interleaved", 10000.0),
+               decay=0.01, gpu=True) for dt in ("bfloat16", "float16")),
+    *(_sb_case(f"gpu_ragged_mqa_d64_{dt}", (1, 1000, 4, 1, 64), dt, decay=(0.0, 0.05, 0.2, 1.0), gpu=True)
+      for dt in ("bfloat16", "float16")),
+    *(_sb_case(f"gpu_d48_{dt}", (1, 300, 2, 2, 48), dt, decay=0.1, gpu=True) for dt in ("bfloat16", "float16")),
+    *(_sb_case(f"gpu_long_no_decay_{dt}", (1, 4096, 2, 2, 128), dt, gpu=True) for dt in ("bfloat16", "float16")),
+    *(_sb_case(f"gpu_sharp_logits_{dt}", (1, 1024, 4, 2, 64), dt, scale=0.5, gpu=True)
+      for dt in ("bfloat16", "float16")),
+    _sb_case("gpu_rope_half_per_head_bf16", (2, 1024, 8, 2, 128), "bfloat16",
+             decay=tuple(0.3 * i / 7 for i in range(8)), rope=("half", 10000.0), gpu=True),
+    _sb_case("gpu_rope_interleaved_mha_fp16_no_rem_grad", (2, 1024, 8, 8, 64), "float16",
+             rope=("interleaved", 10000.0), stat_grad=False, gpu=True),
+    _sb_case("gpu_rope_restart_bf16_no_rem_grad", (1, 2048, 8, 2, 64), "bfloat16", decay=0.01,
+             rope=("interleaved", 10000.0), positions="restart_halfway", stat_grad=False, gpu=True),
+    _sb_case("gpu_mqa_scalar_decay_fp16", (1, 2048, 4, 1, 128), "float16", decay=0.07, gpu=True),
+    _sb_case("gpu_ragged_pair_d96_bf16", (1, 1000, 4, 2, 96), "bfloat16", decay=_HEADS[4], rope=("half", 10000.0),
+             positions="pair_random", gpu=True),
+    _sb_case("gpu_fp32_rope_half", (1, 1024, 4, 2, 64), decay=_HEADS[4], rope=("half", 10000.0), gpu=True),
+    _sb_case("gpu_d256_rope_bf16", (1, 1024, 4, 2, 256), "bfloat16", decay=_HEADS[4], rope=("interleaved", 10000.0),
+             gpu=True),
+)
+
+STICK_BREAKING = v.VariantRecord(
+    name="stick_breaking", quantities=("out", "rem", "dq", "dk", "dv", "ddecay"), forward=("out", "rem"), draw=draw,
+    run_jax=run_jax, run_torch=run_torch, jax_call=jax_call, cases=CASES, grid=GRID)
