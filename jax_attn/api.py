@@ -83,7 +83,10 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
       decay: lambda >= 0 of the distance penalty -lambda (i - j): a float, a scalar array or an
         array [Hq] (per head). Differentiable (a learnable decay gets its gradient, same shape).
         The distance is the token index difference, whatever the RoPE positions.
-      rope: a `Rope`: q and k are rotated inside the kernels; positions int [B, S], default arange.
+      rope: a `Rope`: q and k are rotated inside the kernels.
+      positions: RoPE positions, int [B, S] shared by q and k (default arange), or a pair
+        (q_pos [B, S], kv_pos [B, S]): "xla" only (the kernels rotate q and k by one array; they
+        refuse a pair, saying so).
       return_remainder: also return rem [B, Hq, S] float32, the unspent stick 1 - sum_j A_ij
         (1 on row 0, which has no key; its output is 0). Differentiable.
       implementation: None ("triton" where Pallas Triton runs, else "xla"), "triton" (the
@@ -104,13 +107,14 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
     if k.shape[1] != seq_len:
         raise ValueError(f"stick-breaking attention is causal self-attention: q and k need the same "
                          f"length, got {q.shape=} and {k.shape=}")
-    pos, _ = validation.check_rope(rope, positions, batch, seq_len, seq_len, head_dim)
+    pos, kv_pos = validation.check_rope(rope, positions, batch, seq_len, seq_len, head_dim)
+    kv_pos = kv_pos if isinstance(positions, (tuple, list)) else None  # keys with positions of their own
     scale = validation.check_positive("scale", scale)
     decay = validation.check_decay(decay, num_heads, q.dtype)
     spec = AttentionSpec(scale=head_dim ** -0.5 if scale is None else scale, causal=True,
                          precision=validation.fp32_precision(q.dtype), rope=rope)
-    call = registry.Call(spec, head_dim, q.dtype, positions=pos is not None)
+    call = registry.Call(spec, head_dim, q.dtype, positions=pos is not None, kv_positions=kv_pos is not None)
     entry = registry.resolve("stick_breaking", implementation, call)
     config = registry.check_config(entry, config, call)
-    out, rem = entry.fn(q, k, v, decay, spec, pos=pos, config=config)
+    out, rem = entry.fn(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos, config=config)
     return (out, rem) if return_remainder else out

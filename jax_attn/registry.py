@@ -41,12 +41,14 @@ __all__ = ["ALIASES", "Call", "Entry", "IMPLEMENTATIONS", "REGISTRY", "UnknownIm
 @dataclasses.dataclass(frozen=True)
 class Call:
     """What an implementation's choice depends on: the spec (mask, softcap, RoPE, precision), the
-    head dim (unpadded), the dtype and whether RoPE positions are given as arrays."""
+    head dim (unpadded), the dtype, whether RoPE positions are given as arrays and whether keys
+    have positions of their own (a (q_pos, kv_pos) pair)."""
 
     spec: AttentionSpec
     head_dim: int
     dtype: Any
     positions: bool = False
+    kv_positions: bool = False
 
     @property
     def interpret(self) -> bool:
@@ -73,8 +75,16 @@ def _softmax_mosaic_reason(call: Call) -> str | None:
                                                                      call.positions)
 
 
+def _stick_breaking_triton_reason(call: Call) -> str | None:
+    if call.kv_positions:  # one RoPE table serves q rows and key rows alike
+        return ("the stick-breaking kernels rotate q and k by one positions array [B, S]; for a (q_pos, kv_pos) "
+                "pair use implementation='xla'")
+    return _triton_reason(call)
+
+
 def _stick_breaking_mosaic_reason(call: Call) -> str | None:
-    return _triton_reason(call) or stick_breaking_mosaic.unsupported_reason(call.spec, call.head_dim, call.dtype)
+    return _stick_breaking_triton_reason(call) or stick_breaking_mosaic.unsupported_reason(
+        call.spec, call.head_dim, call.dtype)
 
 
 def _softmax_mosaic_config_reason(config, call: Call) -> str | None:
@@ -103,18 +113,18 @@ def _softmax_xla(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, confi
     return softmax_reference.attention_reference(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos)
 
 
-def _stick_breaking_triton(q, k, v, decay, spec, *, pos=None, config=None):
+def _stick_breaking_triton(q, k, v, decay, spec, *, pos=None, kv_pos=None, config=None):
     return stick_breaking_triton.stick_breaking_pallas(q, k, v, decay, spec, pos=pos, blocks=config)
 
 
-def _stick_breaking_mosaic(q, k, v, decay, spec, *, pos=None, config=None):
+def _stick_breaking_mosaic(q, k, v, decay, spec, *, pos=None, kv_pos=None, config=None):
     # the forward on the Hopper kernel (`ops/stick_breaking/mosaic.py`), the backward on Pallas Triton's
     return stick_breaking_triton.stick_breaking_pallas(q, k, v, decay, spec, pos=pos, blocks=config,
                                                        forward="mosaic_gpu")
 
 
-def _stick_breaking_xla(q, k, v, decay, spec, *, pos=None, config=None):
-    return stick_breaking_reference.stick_breaking_reference(q, k, v, decay, spec, pos=pos)
+def _stick_breaking_xla(q, k, v, decay, spec, *, pos=None, kv_pos=None, config=None):
+    return stick_breaking_reference.stick_breaking_reference(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos)
 
 
 def _softmax_triton_default(call: Call):
@@ -132,7 +142,7 @@ _ENTRIES = (
     Entry("softmax", "mosaic", _softmax_mosaic, _softmax_mosaic_reason, lambda: softmax_mosaic.MosaicBlockSizes,
           lambda call: softmax_mosaic.default_mosaic_block_sizes(call.head_pad), _softmax_mosaic_config_reason),
     Entry("softmax", "xla", _softmax_xla, lambda call: None),
-    Entry("stick_breaking", "triton", _stick_breaking_triton, _triton_reason,
+    Entry("stick_breaking", "triton", _stick_breaking_triton, _stick_breaking_triton_reason,
           lambda: stick_breaking_triton.StickBreakingBlockSizes, _stick_breaking_default),
     # the config is the Triton backward's (the Mosaic forward's tiles are fixed: 64 rows, 64 keys)
     Entry("stick_breaking", "mosaic", _stick_breaking_mosaic, _stick_breaking_mosaic_reason,

@@ -891,3 +891,20 @@ def test_gpu_determinism():
     for name in first:
         assert torch.equal(first[name], second[name]), name
         assert torch.isfinite(first[name]).all(), name
+
+
+def test_jax_position_pairs_need_xla():
+    """A (q_pos, kv_pos) pair: the kernels (one RoPE table for q and k) refuse it, saying so; "xla"
+    rotates the keys by kv_pos, as torch_ref does (the pair cases of the grid compare the two)."""
+    import jax.numpy as jnp
+    import jax_attn
+
+    x = jnp.ones((1, 8, 2, 16), jnp.float32)
+    pair = (jnp.zeros((1, 8), jnp.int32), jnp.arange(8, dtype=jnp.int32)[None])
+    for implementation in (None, "triton"):
+        with pytest.raises(NotImplementedError, match=r"one positions array \[B, S\].*implementation='xla'"):
+            jax_attn.stick_breaking_attention(x, x, x, rope=jax_attn.Rope(), positions=pair,
+                                              implementation=implementation)
+    rotated = jax_attn.stick_breaking_attention(x, x, x, rope=jax_attn.Rope(), positions=pair, implementation="xla")
+    same = jax_attn.stick_breaking_attention(x, x, x, rope=jax_attn.Rope(), positions=pair[0], implementation="xla")
+    assert not np.allclose(np.asarray(rotated), np.asarray(same))  # the keys' own positions count

@@ -55,7 +55,8 @@ def run_torch(case: Case, implementation: str, dtype: str, inputs, device="cpu")
 def jax_call(case: Case):
     rope = None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1])
     spec = jax_attn.AttentionSpec(scale=1.0, causal=True, rope=rope)
-    return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype), positions=case.positions is not None)
+    return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype), positions=case.positions is not None,
+                                  kv_positions=case.positions == "pair_random")
 
 
 CASES = (

@@ -14,13 +14,13 @@ from jax_attn.ops.common.rope import apply_rope, wide_float
 from jax_attn.ops.common.spec import AttentionSpec
 
 
-def stick_breaking_reference(q, k, v, decay, spec: AttentionSpec, *, pos=None):
+def stick_breaking_reference(q, k, v, decay, spec: AttentionSpec, *, pos=None, kv_pos=None):
     """Plain jnp, materialising [B, Hq, S, S] (float64 under jax.enable_x64: the golden).
 
     decay [Hq]. Log-space math in float32 (float64 for float64); A is rounded to v.dtype for the
     A v product, as in the kernels. Gradients by autodiff."""
     if spec.rope is not None:
-        q, k = apply_rope(q, pos, spec.rope), apply_rope(k, pos, spec.rope)
+        q, k = apply_rope(q, pos, spec.rope), apply_rope(k, pos if kv_pos is None else kv_pos, spec.rope)
     batch, seq_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
