@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine (README.md):
 #   make parity   -- the main job: python -m parity.check
-#   make test     -- the CPU test suite (kernels through the Pallas and Triton interpreters)
+#   make test     -- the CPU test suite's fast tier (kernels through the Pallas and Triton interpreters)
+#   make test-slow -- its slow tier (larger interpreted cases); CI (.ci/run) runs both
 # The first use creates .venv with the tested, pinned set of requirements/cpu.lock (pip
 # constraints: every package at the exact version CPU CI was tested with). torch is installed
 # first, alone: the lock pins the 2.13.0 CPU build, so no multi-GB CUDA build is downloaded.
@@ -18,7 +19,7 @@ LOCK := requirements/cpu.lock
 PIP_TORCH_ARGS ?=
 BENCH_OUT ?= benchmarks/results
 
-.PHONY: parity test test-gpu bench clean
+.PHONY: parity test test-slow test-gpu bench clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
@@ -30,7 +31,10 @@ parity: $(STAMP)
 	$(BIN)/python -m parity.check $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -m "not gpu" $(ARGS)
+	$(BIN)/python -m pytest -n 2 -m "not gpu and not slow" $(ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -m "slow and not gpu" $(ARGS)
 
 # GPU machine: the system Python with its preinstalled packages, no .venv
 test-gpu:

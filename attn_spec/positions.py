@@ -36,6 +36,6 @@ def sinusoidal_encoding(positions, pair_index, xp):
     """
     dim = 2 * pair_index.shape[0]
     inv_freq = BASE ** (-pair_index * 2 / dim)  # 10000 ** (-2i / d)
-    angle = positions[..., None] * inv_freq
+    angle = positions[..., None] * inv_freq.reshape((1,) * positions.ndim + (-1,))  # ranks spelled out
     pe = xp.stack([xp.sin(angle), xp.cos(angle)], -1)  # [..., d/2, 2]: (sin, cos) pairs
     return pe.reshape(*angle.shape[:-1], dim)

@@ -456,7 +456,9 @@ def check_layer_case(case: LayerCase, device) -> list[dict]:
     rows = []
     try:
         golden_torch.load_state_dict(start)  # (training moved the weights)
-        with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+        # standard dtype promotion: flax's LayerNorm promotes its float64 input with float32, which
+        # jax's strict promotion refuses (the library's own code runs under either)
+        with jax.enable_x64(True), jax.default_matmul_precision("highest"), jax.numpy_dtype_promotion("standard"):
             jax64 = build_flax(case, "xla", "float64")
             bridge.torch_to_flax(golden_torch, jax64)
             rows.append(_agreement_row(case, golden, wrap(run_jax(jax64, case, "float64", inputs))))

@@ -404,7 +404,7 @@ def test_default_is_the_triton_forward_on_hopper_too(monkeypatch):
     monkeypatch.setattr(mosaic_gpu, "device_info", lambda: hopper)
     called = []
     for name, entry in registry.REGISTRY["stick_breaking"].items():
-        fake = lambda q, k, v, decay, spec, pos, config, name=name: (called.append(name), (q, None))[1]
+        fake = lambda q, k, v, decay, spec, pos, kv_pos, config, name=name: (called.append(name), (q, None))[1]
         monkeypatch.setitem(registry.REGISTRY["stick_breaking"], name, dataclasses.replace(entry, fn=fake))
     x = jnp.ones((1, 8, 4, 64), jnp.bfloat16)
     assert stick_breaking_mosaic.unsupported_reason(AttentionSpec(scale=1.0, causal=True), 64, x.dtype) is None
