@@ -26,10 +26,13 @@ import numpy as np
 NUMPY_OPS = types.SimpleNamespace(minimum=np.minimum, maximum=np.maximum, cdiv=lambda a, b: -(-a // b))
 
 
-def reach(causal: bool, window_left: int | None, window_right: int | None):
-    """(before, after): query i sees keys i - before <= j <= i + after (None: unbounded)."""
+def reach(causal: bool, window_left: int | None, window_right: int | None, offset: int = 0):
+    """(before, after): query i sees keys i - before <= j <= i + after (None: unbounded); offset:
+    q_offset - kv_offset, query i sitting at key position i + offset (before or after may then be
+    negative)."""
     bounds = [b for b in (0 if causal else None, window_right) if b is not None]
-    return window_left, min(bounds) if bounds else None
+    after = min(bounds) if bounds else None
+    return (None if window_left is None else window_left - offset), (None if after is None else after + offset)
 
 
 def partner_blocks(first, size: int, block: int, num: int, before, after, last_masked: bool = False,

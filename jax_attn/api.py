@@ -1,6 +1,8 @@
 """The public functions: validate the call, build its spec, run the implementation the registry picks."""
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jax_attn import registry
 from jax_attn.ops.common import validation
 from jax_attn.ops.common.rope import Rope
@@ -10,6 +12,7 @@ from jax_attn.ops.common.spec import AttentionSpec
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                     segment_ids=None, window: tuple[int, int] | None = None,
                     softcap: float | None = None, rope: Rope | None = None, positions=None,
+                    q_offset: int = 0, kv_offset: int = 0,
                     return_lse: bool = False, implementation: str | None = None, config=None):
     """Multi-head attention, `softmax(scale * q k^T + mask) v`, FlashAttention-style.
 
@@ -18,7 +21,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         jax.enable_x64, for golden references).
       k, v: [B, Sk, Hkv, D] keys and values, Hq % Hkv == 0 (query head h reads kv head
         h // (Hq // Hkv)). D <= 256; any Sq, Sk.
-      causal: query i sees keys j <= i (top-left aligned when Sq != Sk).
+      causal: query i sees keys j <= i (top-left aligned when Sq != Sk; see q_offset for bottom-right).
       scale: score scale, default D ** -0.5.
       segment_ids: int [B, S] (Sq == Sk) or a pair (q_ids [B, Sq], kv_ids [B, Sk]); queries see
         only keys with the same id.
@@ -27,7 +30,11 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
       rope: a `Rope(base, style)`: q and k are rotated inside the kernels after load (RoPE,
         pairs (2i, 2i+1) for style "interleaved", (i, i + D/2) for "half"); D must be even.
       positions: RoPE positions, int [B, S] (Sq == Sk) or a pair (q_pos [B, Sq], kv_pos [B, Sk]);
-        default arange (per-token positions serve packed sequences).
+        default arange from the offsets (per-token positions serve packed sequences).
+      q_offset, kv_offset: absolute positions (Python ints >= 0) of the first query and the first
+        key: causality and windows compare i + q_offset with j + kv_offset. Bottom-right
+        alignment (FlashAttention's, for Sq != Sk: a decode step or a prefill chunk against the
+        cache before it) is q_offset = Sk - Sq. Fully masked tiles are still skipped.
       return_lse: also return lse [B, Hq, Sq] float32 (natural log; -inf on rows with no
         visible key). The lse output is differentiable.
       implementation: None (the rule of `jax_attn.registry.choose`: "xla" where Pallas Triton
@@ -58,12 +65,16 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     q_ids, kv_ids = validation.check_segment_ids(segment_ids, batch, q_len, kv_len)
     left, right = validation.check_window(window)
     q_pos, kv_pos = validation.check_rope(rope, positions, batch, q_len, kv_len, head_dim)
+    offset = validation.check_offset("q_offset", q_offset) - validation.check_offset("kv_offset", kv_offset)
+    if rope is not None and positions is None and (q_offset or kv_offset):  # RoPE at the absolute positions
+        q_pos, kv_pos = (jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) + start, (batch, n))
+                         for n, start in ((q_len, q_offset), (kv_len, kv_offset)))
     softcap = validation.check_positive("softcap", softcap)
     scale = validation.check_positive("scale", scale)
     spec = AttentionSpec(
         scale=head_dim ** -0.5 if scale is None else scale,
         causal=bool(causal), window_left=left, window_right=right, softcap=softcap,
-        has_segments=q_ids is not None, precision=validation.fp32_precision(q.dtype), rope=rope)
+        has_segments=q_ids is not None, precision=validation.fp32_precision(q.dtype), rope=rope, offset=offset)
     call = registry.Call(spec, head_dim, q.dtype, positions=q_pos is not None)
     entry = registry.resolve("softmax", implementation, call)
     config = registry.check_config(entry, config, call)

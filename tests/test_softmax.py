@@ -490,3 +490,58 @@ def test_gpu_deterministic_and_rule():
     for name in NAMES:
         assert torch.equal(runs[0][name], runs[1][name]), name
     assert torch_ref.resolve_implementation(q) == "triton"
+
+
+# ------------------------------------------------------------------------------------------------
+# Position offsets (bottom-right alignment)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(6, 2)), dict(causal=True, window=(9, 0))],
+                         ids=["causal", "window", "causal_window"])
+@pytest.mark.parametrize("lengths", [(5, 40), (1, 17), (33, 70)], ids=lambda s: "x".join(map(str, s)))
+def test_bottom_right_is_queries_at_the_end(kw, lengths):
+    """q_offset = Sk - Sq (FlashAttention's alignment) equals, by construction, the last Sq rows of
+    the same call on Sk queries (the first Sk - Sq of them zeros): forward and gradients, both
+    frameworks, every implementation."""
+    sq, sk = lengths
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal(s) for s in ((2, sq, 4, 16), (2, sk, 2, 16), (2, sk, 2, 16), (2, sq, 4, 16)))
+    padded = np.concatenate([np.zeros((2, sk - sq, 4, 16)), q], 1)
+    with jax.enable_x64(True):
+        def loss(q, k, v, **extra):
+            out = flash_attention(q, k, v, implementation="xla", **kw, **extra)
+            return jnp.sum(out[:, -sq:] * do)
+        want = jax.grad(lambda qp, k, v: loss(qp, k, v), argnums=(0, 1, 2))(padded, k, v)
+        want_out = flash_attention(padded, k, v, implementation="xla", **kw)[:, -sq:]
+    for impl in ("xla", "triton"):
+        with jax.default_matmul_precision("highest"):
+            f = lambda q, k, v: flash_attention(q, k, v, q_offset=sk - sq, implementation=impl, **kw)
+            out, vjp = jax.vjp(f, *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
+            grads = vjp(jnp.asarray(do, jnp.float32))
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=2e-5, err_msg=impl)
+        for got, ref in zip(grads, (want[0][:, -sq:], want[1], want[2])):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=5e-5, err_msg=impl)
+    for impl in ("eager", "triton"):
+        t = [torch.tensor(x, dtype=F32, device=DEVICE, requires_grad=True) for x in (q, k, v)]
+        out = torch_flash_attention(*t, q_offset=sk - sq, implementation=impl, **kw)
+        grads = torch.autograd.grad(out, t, torch.tensor(do, dtype=F32, device=DEVICE))
+        np.testing.assert_allclose(out.detach().cpu().numpy(), np.asarray(want_out), atol=2e-5, err_msg=impl)
+        for got, ref in zip(grads, (want[0][:, -sq:], want[1], want[2])):
+            np.testing.assert_allclose(got.cpu().numpy(), np.asarray(ref), atol=5e-5, err_msg=impl)
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, True, None])
+def test_offsets_are_ints(bad):
+    x = jnp.zeros((1, 4, 2, 16), jnp.float32)
+    t = torch.zeros(1, 4, 2, 16)
+    for name in ("q_offset", "kv_offset"):
+        with pytest.raises(ValueError, match=name):
+            flash_attention(x, x, x, causal=True, **{name: bad})
+        with pytest.raises(ValueError, match=name):
+            torch_flash_attention(t, t, t, causal=True, **{name: bad})
+    assert flash_attention(x, x, x, causal=True, q_offset=0, kv_offset=0).shape == x.shape  # the boundary
+
+
+def test_mosaic_refuses_offsets():
+    spec = jax_attn.AttentionSpec(scale=1.0, causal=True, offset=3)
+    reason = jax_attn.ops.softmax.mosaic.unsupported_reason(spec, 64, jnp.bfloat16)
+    assert reason is not None and "q_offset != kv_offset" in reason

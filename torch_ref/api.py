@@ -12,7 +12,7 @@ Triton is imported lazily (only when the Triton path runs), so the choice of int
 from __future__ import annotations
 
 from . import registry
-from .ops.common.validation import validate, validate_rope, validate_stick_breaking
+from .ops.common.validation import validate, validate_offsets, validate_rope, validate_stick_breaking
 from .ops.softmax import reference as softmax_ref
 from .ops.stick_breaking import reference as stick_breaking_ref
 
@@ -23,14 +23,15 @@ __all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_atten
 # Softmax attention
 # ----------------------------------------------------------------------------------------------
 def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
-                    rope=None, positions=None, return_lse=False, implementation=None, config=None):
+                    rope=None, positions=None, q_offset=0, kv_offset=0, return_lse=False, implementation=None,
+                    config=None):
     """Scaled dot-product attention, FlashAttention-style.
 
     Args:
       q: `[B, Sq, Hq, D]`; k, v: `[B, Sk, Hkv, D]` with Hq % Hkv == 0 (query head h reads kv head
         h // (Hq // Hkv): GQA / MQA). D in 1..256, any Sq, Sk. dtype float16, bfloat16 or float32
         (float64 with implementation="eager" only); output in the input dtype.
-      causal: query i sees key j only if j <= i (top-left aligned, also when Sq != Sk).
+      causal: query i sees key j only if j <= i (top-left aligned when Sq != Sk; see q_offset).
       scale: score multiplier, default D ** -0.5. Scores are s_ij = scale * q_i . k_j.
       segment_ids: one integer tensor `[B, S]` (self-attention, Sq == Sk) or a pair
         (q_ids `[B, Sq]`, kv_ids `[B, Sk]`); i sees j only where the ids are equal.
@@ -42,7 +43,11 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
         forward and backward (the gradients are rotated back).
       positions: with rope only. None: q at arange(Sq), k at arange(Sk); one integer tensor
         `[B, S]` (Sq == Sk; the same positions for q and k, e.g. restarting at 0 in each packed
-        sequence); or a pair (q_pos `[B, Sq]`, kv_pos `[B, Sk]`).
+        sequence); or a pair (q_pos `[B, Sq]`, kv_pos `[B, Sk]`). None with offsets: the
+        absolute positions q_offset + arange(Sq), kv_offset + arange(Sk).
+      q_offset, kv_offset: ints >= 0, the absolute positions of the first query and the first key:
+        causality and windows compare i + q_offset with j + kv_offset. Bottom-right alignment
+        (FlashAttention's, for Sq != Sk) is q_offset = Sk - Sq. Fully masked tiles are still skipped.
       return_lse: also return lse `[B, Hq, Sq]`, lse_i = log sum_{visible j} exp(s_ij) (natural log;
         float32, float64 for float64 eager). A row with no visible key gets out 0, lse -inf and
         zero gradients.
@@ -64,7 +69,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
     Returns: out `[B, Sq, Hq, D]`, or (out, lse) when return_lse.
     """
     scale, q_ids, kv_ids, window, softcap = validate(q, k, v, causal, scale, segment_ids, window, softcap)
-    q_pos, kv_pos = validate_rope(q, k, rope, positions)
+    causal, window = validate_offsets(causal, window, q_offset, kv_offset, q.shape[1], k.shape[1])
+    q_pos, kv_pos = validate_rope(q, k, rope, positions, q_offset, kv_offset)
     call = registry.Call.of(q)
     entry = registry.resolve("softmax", implementation, call)
     config = registry.check_config(entry, config, call)
@@ -74,14 +80,15 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
 
 
 def flash_attention_reference(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
-                              rope=None, positions=None):
+                              rope=None, positions=None, q_offset=0, kv_offset=0):
     """The eager reference with the same arguments as `flash_attention`; returns (out, lse).
 
     Works in float64 too (the golden; with rope the rotation then runs in float64). Differentiable
     by autograd.
     """
     scale, q_ids, kv_ids, window, softcap = validate(q, k, v, causal, scale, segment_ids, window, softcap)
-    q_pos, kv_pos = validate_rope(q, k, rope, positions)
+    causal, window = validate_offsets(causal, window, q_offset, kv_offset, q.shape[1], k.shape[1])
+    q_pos, kv_pos = validate_rope(q, k, rope, positions, q_offset, kv_offset)
     return softmax_ref.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
                                  softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
 

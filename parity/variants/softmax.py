@@ -57,8 +57,11 @@ def jax_call(case: Case):
     spec = jax_attn.AttentionSpec(
         scale=1.0, causal=kw.get("causal", False), window_left=left, window_right=right,
         softcap=kw.get("softcap"), has_segments=case.segments is not None,
-        rope=None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1]))
-    return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype), positions=case.positions is not None)
+        rope=None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1]),
+        offset=kw.get("q_offset", 0) - kw.get("kv_offset", 0))
+    offsets_position_rope = case.rope is not None and (kw.get("q_offset", 0) or kw.get("kv_offset", 0))
+    return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype),
+                                  positions=case.positions is not None or bool(offsets_position_rope))
 
 
 CASES = (
@@ -70,6 +73,11 @@ CASES = (
     _case("softcap_cross", (1, 50, 70, 2, 2, 16), softcap=5.0, scale=0.2),
     _case("empty_rows", (1, 40, 56, 2, 1, 16), segments="pair_with_empty_rows", quick=True),
     _case("fp16_causal", (1, 64, 64, 2, 2, 64), dtype="float16", causal=True),
+    # Absolute positions of the first query / key: bottom-right alignment (q_offset = Sk - Sq), a
+    # decode step, a prefill chunk with a window, both offsets with RoPE at the absolute positions
+    _case("bottom_right_decode_gqa", (2, 1, 37, 4, 2, 32), causal=True, q_offset=36),
+    _case("bottom_right_chunk_window_gqa", (1, 17, 53, 6, 2, 40), causal=True, window=(8, 0), q_offset=36),
+    _case("offsets_window_fp16", (1, 29, 45, 4, 1, 64), "float16", window=(5, 3), q_offset=20, kv_offset=4),
     # FlashAttention's bwd_overflow: fp16, two or three keys, large logits (very negative lse on
     # some rows: a key block of padding run unmasked made the Hopper dQ NaN there)
     _case("fp16_overflow_2x2_d64", (2, 2, 2, 5, 5, 64), dtype="float16", amp=4.0),
@@ -77,6 +85,8 @@ CASES = (
     # GPU only: half precision (the Triton interpreter computes bf16 dots wrongly), long sequences.
     _case("bf16_causal_1k_gqa", (2, 1024, 1024, 8, 2, 128), "bfloat16", causal=True, gpu=True),
     _case("bf16_dense_4k", (1, 4096, 4096, 4, 4, 128), "bfloat16", gpu=True),
+    _case("bf16_bottom_right_chunk_1k_of_4k_gqa", (2, 1024, 4096, 8, 2, 128), "bfloat16", causal=True,
+          q_offset=3072, gpu=True),
     _case("bf16_causal_4k", (1, 4096, 4096, 4, 4, 128), "bfloat16", causal=True, gpu=True),
     _case("fp16_window_4k_d64", (1, 4096, 4096, 8, 2, 64), "float16", window=(512, 128), gpu=True),
     _case("bf16_packed_2k", (2, 2048, 2048, 4, 4, 128), "bfloat16", segments="packed", causal=True, gpu=True),
@@ -176,6 +186,7 @@ GRID = (
                base=100.0, positions="pair_large", causal=True, slow=True),
     _rope_case("rope_half_empty_tail_fp16", (1, 40, 35, 4, 2, 40), "half", "float16", segments="pair_empty_tail",
                positions="restart_per_segment", causal=True, stat_grad=True),
+    _rope_case("rope_offsets_causal_gqa", (1, 23, 31, 4, 2, 32), "half", causal=True, q_offset=40, kv_offset=32),
     # Compiled kernels at realistic shapes (make test-gpu).
     *(_case(f"gpu_{dt}_{'causal' if causal else 'dense'}_{'gqa' if hkv == 2 else 'mha'}",
             (2, 1024, 1024, 8, hkv, 128), dt, causal=causal, gpu=True)

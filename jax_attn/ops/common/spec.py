@@ -29,6 +29,9 @@ class AttentionSpec:
 
     window_left / window_right: query i sees keys i - left .. i + right (None = unbounded).
     causal: query i sees keys j <= i (top-left aligned).
+    offset: q_offset - kv_offset, the absolute position of query row 0 minus that of key row 0:
+      causality and windows compare absolute positions, i + offset against j (Sk - Sq:
+      bottom-right aligned, as FlashAttention).
     """
 
     scale: float
@@ -39,6 +42,7 @@ class AttentionSpec:
     has_segments: bool = False
     precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
     rope: Rope | None = None  # rotate q and k by their positions (fused in the kernels)
+    offset: int = 0
 
     @property
     def has_position_mask(self) -> bool:
@@ -52,6 +56,8 @@ def visible(spec: AttentionSpec, rows, cols, kv_len: int, q_seg=None, kv_seg=Non
     definition serves the reference ([Sq, Sk]) and every kernel tile orientation.
     """
     mask = cols < kv_len
+    if spec.offset:  # absolute positions: query row i sits at key position i + offset
+        rows = rows + spec.offset
     if spec.causal:
         mask &= cols <= rows
     if spec.window_left is not None:

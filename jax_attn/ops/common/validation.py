@@ -97,6 +97,13 @@ def check_window(window):
     return left, right
 
 
+def check_offset(name, value) -> int:
+    """A position offset: a Python int >= 0 (static: it shapes the visit plan)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a Python int >= 0 (static), got {name}={value!r}")
+    return int(value)
+
+
 def check_positive(name, value):
     if value is None:
         return None

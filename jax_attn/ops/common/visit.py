@@ -21,7 +21,7 @@ JNP_OPS = types.SimpleNamespace(minimum=jnp.minimum, maximum=jnp.maximum, cdiv=p
 
 def reach(spec: AttentionSpec):
     """(before, after): query i sees keys i - before <= j <= i + after (None: unbounded)."""
-    return plan.reach(spec.causal, spec.window_left, spec.window_right)
+    return plan.reach(spec.causal, spec.window_left, spec.window_right, spec.offset)
 
 
 def partner_blocks(first, size: int, block: int, num: int, before, after, last_masked: bool = False,

@@ -82,10 +82,11 @@ def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype, positions: boo
     positions are given as an array (the kernels serve RoPE at positions arange only)."""
     features = [name for name, used in (
         ("softcap", spec.softcap is not None), ("segment_ids", spec.has_segments),
-        ("RoPE positions arrays", spec.rope is not None and positions)) if used]
+        ("RoPE positions arrays", spec.rope is not None and positions),
+        ("q_offset != kv_offset", spec.offset != 0)) if used]
     if features:
-        return (f"the Mosaic GPU kernels serve causal and windowed attention and RoPE at positions "
-                f"arange, not {', '.join(features)}")
+        return (f"the Mosaic GPU kernels serve causal and windowed attention (top-left aligned) and RoPE "
+                f"at positions arange, not {', '.join(features)}")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         return f"the Mosaic GPU kernels take float16 or bfloat16, not {jnp.dtype(dtype)}"
     if padded_head_dim(spec, head_dim) not in HEAD_DIMS:

@@ -13,6 +13,7 @@ import numbers
 import torch
 
 from attn_spec.rope import Rope
+from attn_spec.visit import reach
 
 MAX_HEAD_DIM = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -102,10 +103,29 @@ def validate(q, k, v, causal, scale, segment_ids, window, softcap):
     return scale, q_ids, kv_ids, window, softcap
 
 
-def validate_rope(q, k, rope, positions):
+def validate_offsets(causal, window, q_offset, kv_offset, Sq: int, Sk: int):
+    """Check q_offset / kv_offset (ints >= 0, the absolute positions of the first query and key) and
+    fold them into the mask: -> (causal, window) comparing local indices. With offset d =
+    q_offset - kv_offset, query i sees key j where i + d - left <= j <= i + d + right (j <= i + d
+    if causal): a window (before, after) of `attn_spec.visit.reach`, unbounded sides as wide as the
+    sequences (the kernels take the window as ints; it may be negative)."""
+    for name, value in (("q_offset", q_offset), ("kv_offset", kv_offset)):
+        if not is_int(value) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {name}={value!r}")
+    offset = int(q_offset) - int(kv_offset)
+    if offset == 0:
+        return causal, window
+    before, after = reach(causal, *(window if window is not None else (None, None)), offset)
+    if before is None and after is None:
+        return False, None
+    unbounded = Sq + Sk + abs(offset)
+    return False, (unbounded if before is None else before, unbounded if after is None else after)
+
+
+def validate_rope(q, k, rope, positions, q_offset: int = 0, kv_offset: int = 0):
     """Check rope / positions; return (q_pos [B, Sq], kv_pos [B, Sk]) (None, None without rope).
 
-    positions None means q at arange(Sq) and k at arange(Sk) (each batch row)."""
+    positions None means q at q_offset + arange(Sq) and k at kv_offset + arange(Sk) (each batch row)."""
     if rope is not None and not isinstance(rope, Rope):
         raise TypeError(f"rope must be a torch_ref.Rope or None, got {type(rope).__name__}")
     if rope is None:
@@ -117,8 +137,8 @@ def validate_rope(q, k, rope, positions):
     if D % 2 != 0:
         raise ValueError(f"head dim must be even for RoPE, got D={D}")
     if positions is None:
-        return (torch.arange(Sq, dtype=torch.int32, device=q.device).expand(B, Sq),
-                torch.arange(Sk, dtype=torch.int32, device=q.device).expand(B, Sk))
+        return (torch.arange(q_offset, q_offset + Sq, dtype=torch.int32, device=q.device).expand(B, Sq),
+                torch.arange(kv_offset, kv_offset + Sk, dtype=torch.int32, device=q.device).expand(B, Sk))
     if isinstance(positions, (tuple, list)):
         if len(positions) != 2:
             raise ValueError(f"positions must be one [B, S] tensor or a pair (q_pos, kv_pos), "
