@@ -14,7 +14,7 @@ import torch
 
 import jax_golden as jg
 from jax_attn import Rope, apply_rope, flash_attention
-from torch_golden import DEVICE, F16, F32, F64, NAMES, _assert_rule
+from torch_golden import DEVICE, F16, F32, F64, NAMES, Case, _assert_rule, _run, _to, randn_inputs
 from torch_ref import Rope as TorchRope
 from torch_ref import apply_rope as torch_apply_rope
 from torch_ref import flash_attention as torch_flash_attention
@@ -81,27 +81,10 @@ def test_rope_errors():
 # torch
 # ---------------------------------------------------------------------------------------------
 
-def _run(impl, dtype, q, k, v, do, dl, kw):
-    """Forward and backward (random cotangents) of one implementation in `dtype`."""
-    qq, kk, vv = (x.to(dtype).detach().requires_grad_() for x in (q, k, v))
-    out, lse = torch_flash_attention(qq, kk, vv, return_lse=True, implementation=impl, **kw)
-    outputs, cotangents = [out], [do.to(dtype)]
-    if dl is not None:
-        outputs.append(lse)
-        cotangents.append(dl.to(lse.dtype))
-    dq, dk, dv = torch.autograd.grad(outputs, (qq, kk, vv), cotangents)
-    return dict(out=out.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
-
-
 @dataclasses.dataclass(frozen=True)
-class RCase:
-    B: int
-    Sq: int
-    Sk: int
-    Hq: int
-    Hkv: int
-    D: int
-    dtype: torch.dtype
+class RCase(Case):
+    """A torch softmax case with RoPE."""
+
     style: str = "interleaved"
     base: float = 10000.0
     # None: default positions (arange); "packed": one [B, S] tensor restarting at 0 in each segment
@@ -109,10 +92,6 @@ class RCase:
     # "large": a pair of unsorted positions up to 20000; "pair_empty": a pair of positions with
     # segment ids where the last q rows have no key (out 0, lse -inf, zero gradients).
     pos: str | None = None
-    causal: bool = False
-    window: tuple | None = None
-    softcap: float | None = None
-    lse_grad: bool = False
 
     def __str__(self):
         parts = [f"B{self.B}", f"{self.Sq}x{self.Sk}", f"H{self.Hq}/{self.Hkv}", f"D{self.D}",
@@ -158,21 +137,10 @@ def _positions_and_segments(case: RCase, gen: torch.Generator):
 
 def _inputs(case: RCase, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(case.B, case.Sq, case.Hq, case.D, generator=gen)
-    k = torch.randn(case.B, case.Sk, case.Hkv, case.D, generator=gen)
-    v = torch.randn(case.B, case.Sk, case.Hkv, case.D, generator=gen)
-    do = torch.randn(case.B, case.Sq, case.Hq, case.D, generator=gen)
-    dl = torch.randn(case.B, case.Hq, case.Sq, generator=gen) if case.lse_grad else None
+    q, k, v, do, dl = randn_inputs(gen, (case.B, case.Sq, case.Hq, case.D), (case.B, case.Sk, case.Hkv, case.D),
+                                   (case.B, case.Hq, case.Sq), case.lse_grad)
     positions, seg = _positions_and_segments(case, gen)
     return q, k, v, do, dl, positions, seg
-
-
-def _to(x, device):
-    if x is None:
-        return None
-    if isinstance(x, tuple):
-        return tuple(t.to(device) for t in x)
-    return x.to(device)
 
 
 def _kwargs(case: RCase, positions, seg):
@@ -193,7 +161,7 @@ def test_torch_rope_relative_positions():
     """Scores depend on p_i - p_j only: shifting every position by a constant leaves the result
     unchanged (float64 reference: to rounding; Triton with shifted positions: held to the rule
     against the golden of the unshifted positions)."""
-    case = RCase(2, 40, 40, 2, 1, 40, F32, "half", pos="packed", causal=True)
+    case = RCase(2, 40, 40, 2, 1, 40, F32, style="half", pos="packed", causal=True)
     q, k, v, do, dl, positions, seg = (_to(x, DEVICE) for x in _inputs(case, seed=4))
     shift = 1000
     kw = _kwargs(case, positions, seg)
@@ -214,7 +182,7 @@ def test_torch_rope_relative_positions():
 def test_torch_fused_equals_rotate_then_attend(style, dtype):
     """Fused RoPE == rotate q, k with the eager helper (in the compute dtype), then the Triton
     kernels without rope (gradients through the helper by autograd), within the rule."""
-    case = RCase(1, 33, 47, 6, 2, 72, dtype, style, pos="pair", causal=True)
+    case = RCase(1, 33, 47, 6, 2, 72, dtype, style=style, pos="pair", causal=True)
     q, k, v, do, dl, (q_pos, kv_pos), _ = (_to(x, DEVICE) for x in _inputs(case, seed=2))
     rope = TorchRope(style=style)
     gold = _run("eager", F64, q, k, v, do, dl, dict(causal=True, rope=rope, positions=(q_pos, kv_pos)))

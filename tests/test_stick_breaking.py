@@ -21,39 +21,13 @@ import pytest
 import torch
 
 import torch_ref
-import variant_harness as harness
 from jax_attn import Rope, stick_breaking_attention
 from jax_golden import NP_DTYPE
-from parity import variants
 from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare
-from torch_golden import BF16, DEVICE, F16, F32, F64, _np_dtype
+from torch_golden import BF16, DEVICE, F16, F32, F64, _np_dtype, _to, randn_inputs
 from torch_ref import UnknownImplementationError, stick_breaking_reference
 from torch_ref import Rope as TorchRope
 from torch_ref import stick_breaking_attention as torch_stick_breaking_attention
-from variant_harness import assert_rule, grid_params
-
-
-RECORD = variants.BY_NAME["stick_breaking"]
-
-
-@pytest.mark.parametrize("framework, implementation, case", grid_params(RECORD))
-def test_against_golden(framework, implementation, case):
-    """The shared body: every implementation of both frameworks, every grid case, every quantity
-    of the record within the tolerance rule of its framework's float64 golden."""
-    assert_rule(RECORD, framework, implementation, case)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in RECORD.grid if not c.gpu])
-def test_goldens_agree(case):
-    """The two frameworks' plain references in float64 agree to 1e-10 (the golden is one)."""
-    gold_jax, gold_torch = (harness.results(RECORD.name, fw, variants.REFERENCE[fw], case, "float64")
-                            for fw in variants.FRAMEWORKS)
-    for name, a, b in zip(RECORD.quantities, gold_jax, gold_torch):
-        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=name)
-        finite = np.isfinite(a)
-        np.testing.assert_array_equal(a[~finite], b[~finite], err_msg=name)
-        np.testing.assert_allclose(a[finite], b[finite], rtol=0, atol=1e-10, err_msg=name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,20 +489,9 @@ def _positions(case: SBCase, gen: torch.Generator):
 
 def _inputs(case: SBCase, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(case.B, case.S, case.Hq, case.D, generator=gen)
-    k = torch.randn(case.B, case.S, case.Hkv, case.D, generator=gen)
-    v = torch.randn(case.B, case.S, case.Hkv, case.D, generator=gen)
-    do = torch.randn(case.B, case.S, case.Hq, case.D, generator=gen)
-    drem = torch.randn(case.B, case.Hq, case.S, generator=gen) if case.rem_grad else None
+    q, k, v, do, drem = randn_inputs(gen, (case.B, case.S, case.Hq, case.D), (case.B, case.S, case.Hkv, case.D),
+                                     (case.B, case.Hq, case.S), case.rem_grad)
     return q, k, v, do, drem, _positions(case, gen)
-
-
-def _to(x, device):
-    if x is None:
-        return None
-    if isinstance(x, tuple):
-        return tuple(t.to(device) for t in x)
-    return x.to(device)
 
 
 def _kwargs(case: SBCase, positions):

@@ -92,6 +92,12 @@ def _inputs(case: Case, seed: int = 0):
     return q, k, v, do, dl, seg
 
 
+def randn_inputs(gen, q_shape, kv_shape, stat_shape, stat_grad: bool):
+    """q, k, v, dO ~ N(0, 1) in that order from `gen`, and the row statistic's cotangent (or None)."""
+    q, k, v, do = (torch.randn(*s, generator=gen) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    return q, k, v, do, torch.randn(*stat_shape, generator=gen) if stat_grad else None
+
+
 def _to(x, device):
     if x is None:
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,3 +71,18 @@ def assert_rule(record, framework, implementation, case):
                                  for n, v in failed.items())
     as_dict = lambda xs: dict(zip(record.quantities, xs))
     return as_dict(fast), as_dict(naive), as_dict(gold)
+
+
+def cpu_grid(record):
+    """The record's grid cases that run on the CPU, as pytest params named by case."""
+    return [pytest.param(c, id=c.name) for c in record.grid if not c.gpu]
+
+
+def assert_goldens_agree(record, case):
+    """The two frameworks' plain references in float64 agree to 1e-10 (the golden is one)."""
+    gold_jax, gold_torch = (results(record.name, fw, REFERENCE[fw], case, "float64") for fw in FRAMEWORKS)
+    for name, a, b in zip(record.quantities, gold_jax, gold_torch):
+        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=name)
+        finite = np.isfinite(a)
+        np.testing.assert_array_equal(a[~finite], b[~finite], err_msg=name)
+        np.testing.assert_allclose(a[finite], b[finite], rtol=0, atol=1e-10, err_msg=name)
