@@ -1,15 +1,15 @@
 """The stick-breaking (ExpoSB) forward as a Pallas Mosaic GPU kernel for Hopper (sm90), in the frame
-of the softmax kernels (`mosaic_gpu`): two compute warpgroups of 64 query rows each, one producer
+of the softmax kernels (`ops/common/mosaic_frame.py`): two compute warpgroups of 64 query rows each, one producer
 warpgroup streaming the kv head's key blocks by TMA, the products on wgmma.
 
 Each warpgroup walks its key blocks from the diagonal leftwards, as the Triton forward
-(`stick_breaking_pallas`) does, in base-2 log space:
+(`ops/stick_breaking/triton.py`) does, in base-2 log space:
   z = scale2 q.k - decay2 (i - j),  sp = softplus2(z) = max(z, 0) + log2(1 + 2^-|z|),
   A = 2^((z - sp) - c - sum_{m>j} sp)   (c: the softplus sum of the keys right of the block),
   o += A V,  c += rowsum(sp),  and at the end rem = 2^-c.
 The transcendentals are the approximate MUFU instructions (`approx_math`; lg2 directly, `_log2`).
 With `save_sums` it stores c at every key-block boundary and counts per row the spent key blocks,
-in the layout the Triton backward (`stick_breaking_pallas._bwd_call`) reads: the backward is the
+in the layout the Triton backward (`ops/stick_breaking/triton.py`, `_bwd_call`) reads: the backward is the
 Triton engine's. It walks every tile (ending a walk early would need the producer told too), so it
 is not the default.
 
@@ -119,10 +119,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
 
 def stick_breaking_forward(q, k, v, decay, spec: AttentionSpec, *, save_sums: bool, spent: float):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] padded to multiples of 2 * BLOCK rows and D in
-    `mosaic_gpu.HEAD_DIMS`, decay [>= Hq] fp32 -> (out, rem [B, Hq, S] fp32[, the softplus sums
+    `mosaic_frame.HEAD_DIMS`, decay [>= Hq] fp32 -> (out, rem [B, Hq, S] fp32[, the softplus sums
     at the key-block boundaries [B, Hq, S / BLOCK, S] fp32, base 2, and per row the number of key
     blocks from key 0 whose sums reach `spent`, int32 [B, Hq, S]]), as
-    `stick_breaking_pallas._fwd_call` with block_k = BLOCK. It walks every tile (the Triton
+    the Triton `_fwd_call` with block_k = BLOCK. It walks every tile (the Triton
     forward ends a walk where the sticks are spent; the backward skips them after either)."""
     batch, seq_pad, num_heads, head_dim = q.shape
     if seq_pad % (2 * BLOCK) or head_dim not in frame.HEAD_DIMS:
