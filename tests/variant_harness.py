@@ -4,7 +4,7 @@
 every implementation that serves it here (from the registries: `parity.variants.implementations`
 and `unsupported_reason`; e.g. the Mosaic kernels only on Hopper, for what they serve), marked
 `gpu` (realistic shapes, compiled kernels) or `slow` (the slow CPU tier) from the case.
-`assert_rule(record, framework, implementation, case)` runs the three results of CONVENTIONS.md
+`assert_rule(record, framework, implementation, case)` runs the three results of the tolerance rule (docs/design/parity.md)
 (the framework's plain reference in float64, the same in the compute dtype, the implementation)
 and applies the tolerance rule to every quantity of the record.
 """

@@ -110,7 +110,7 @@ def _shape_name(shape):
     return "x".join(map(str, shape))
 
 
-# The awkward-shape grid of the tests (CONVENTIONS.md): lengths 1, 17, 31/47, 65/129, 113/203 (Sq != Sk),
+# The awkward-shape grid of the tests: lengths 1, 17, 31/47, 65/129, 113/203 (Sq != Sk),
 # head dims 1..256 (16, 40, 59, 64, 72, 128 among them), GQA and MQA, every feature and combinations,
 # fully masked rows, fp32 and fp16 (bf16 on the GPU: the Triton interpreter computes bf16 dots wrongly).
 # Rows with exactly one visible key (Sq = 1 causal, window (0, 0)) have d out / d s = 0: with a
