@@ -1,8 +1,11 @@
 """The public functions: validate the call, build its spec, run the implementation the registry picks."""
 from __future__ import annotations
 
+import types
+
 import jax.numpy as jnp
 
+from attn_spec import varlen
 from jax_attn import registry
 from jax_attn.ops.common import validation
 from jax_attn.ops.common.rope import Rope
@@ -129,3 +132,62 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
     config = registry.check_config(entry, config, call)
     out, rem = entry.fn(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos, config=config)
     return (out, rem) if return_remainder else out
+
+
+_JNP_VARLEN_OPS = types.SimpleNamespace(arange=jnp.arange, maximum=jnp.maximum, cumsum=jnp.cumsum,
+                                        searchsorted_right=lambda a, v: jnp.searchsorted(a, v, side="right"))
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool = False,
+                           scale: float | None = None, window: tuple[int, int] | None = None,
+                           softcap: float | None = None, rope: Rope | None = None, return_lse: bool = False,
+                           implementation: str | None = None, config=None):
+    """`flash_attention` on a packed variable-length batch, FlashAttention's varlen form.
+
+    Args:
+      q: [total_q, Hq, D], the queries of every sequence one after the other; k, v: [total_k, Hkv, D].
+      cu_seqlens_q: int [N + 1], 0 = cu[0] <= ... <= cu[N] = total_q: sequence s holds queries
+        cu[s] .. cu[s+1] - 1. cu_seqlens_k: the same for the keys (None: as cu_seqlens_q).
+      causal, window: per sequence, bottom-right aligned (query i of a sequence sits at key
+        position i + len_k - len_q, as FlashAttention); RoPE positions likewise (keys 0, 1, ...
+        within their sequence). scale, softcap, implementation, config: as `flash_attention`.
+
+    Segment ids serve it without a copy where the packing allows (cu_seqlens_k None or equal to
+    cu_seqlens_q, or neither causal nor window); otherwise q, k, v are scattered into an aligned
+    layout of total_q + total_k rows (`attn_spec.varlen`) and the output gathered back.
+
+    Returns: out [total_q, Hq, D], or (out, lse [Hq, total_q]) when return_lse.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"{name} must be 3-D [total, heads, head_dim] (packed), got {getattr(x, 'shape', x)}")
+    same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+    cu_q = jnp.asarray(cu_seqlens_q)
+    cu_k = cu_q if same else jnp.asarray(cu_seqlens_k)
+    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+        if not jnp.issubdtype(cu.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {cu.dtype}")
+        varlen.check_cu_seqlens(name, cu, total, validation.concrete(cu))
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k count different sequences: {cu_q.shape} and {cu_k.shape}")
+    concrete_q, concrete_k = validation.concrete(cu_q), validation.concrete(cu_k)
+    same = same or (concrete_q is not None and concrete_k is not None and (concrete_q == concrete_k).all())
+    plan = varlen.layout(cu_q.astype(jnp.int32), cu_k.astype(jnp.int32), q.shape[0], k.shape[0], _JNP_VARLEN_OPS)
+    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, return_lse=True,
+              implementation=implementation, config=config)
+    if same or not (causal or window is not None):  # the packing serves: segment ids, no copy
+        positions = None if rope is None else (plan.pos_q[None], plan.pos_k[None])
+        out, lse = flash_attention(q[None], k[None], v[None], segment_ids=(plan.seq_q[None], plan.seq_k[None]),
+                                   positions=positions, **kw)
+        out, lse = out[0], lse[0]
+    else:  # the aligned layout: every sequence right-aligned in max(len_q, len_k) slots
+        rows = q.shape[0] + k.shape[0]
+        scatter = lambda x, slot, fill=0: jnp.full((rows, *x.shape[1:]), fill, x.dtype).at[slot].set(x)
+        ids = (scatter(plan.seq_q, plan.slot_q, -1), scatter(plan.seq_k, plan.slot_k, -2))  # padding: no match
+        positions = None if rope is None else (scatter(plan.pos_q, plan.slot_q), scatter(plan.pos_k, plan.slot_k))
+        out, lse = flash_attention(*(scatter(x, s)[None] for x, s in ((q, plan.slot_q), (k, plan.slot_k),
+                                                                        (v, plan.slot_k))),
+                                   segment_ids=tuple(i[None] for i in ids),
+                                   positions=None if positions is None else tuple(p[None] for p in positions), **kw)
+        out, lse = out[0][plan.slot_q], lse[0][:, plan.slot_q]
+    return (out, lse) if return_lse else out

@@ -16,13 +16,15 @@ positions).
 Triton is imported lazily: `import torch_ref` does not import it, so TRITON_INTERPRET=1 may still
 be set afterwards; the first Triton call (or touching one of the config names above) imports it.
 """
-from .api import flash_attention, flash_attention_reference, stick_breaking_attention, stick_breaking_reference
+from .api import (flash_attention, flash_attention_reference, flash_attention_varlen, stick_breaking_attention,
+                  stick_breaking_reference)
 from .nn.layers import EncoderBlock, MultiHeadSelfAttention
 from .nn.positions import sinusoidal_positions
 from .ops.common.rope import Rope, apply_rope
 from .registry import IMPLEMENTATIONS, UnknownImplementationError, resolve_implementation
 
-__all__ = ["flash_attention", "flash_attention_reference", "Rope", "apply_rope", "BlockSizes", "default_block_sizes",
+__all__ = ["flash_attention", "flash_attention_reference", "flash_attention_varlen", "Rope", "apply_rope",
+           "BlockSizes", "default_block_sizes",
            "IMPLEMENTATIONS", "resolve_implementation", "UnknownImplementationError", "EncoderBlock",
            "MultiHeadSelfAttention", "sinusoidal_positions", "stick_breaking_attention", "stick_breaking_reference",
            "StickBreakingBlockSizes", "default_stick_breaking_block_sizes"]

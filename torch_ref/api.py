@@ -11,6 +11,12 @@ Triton is imported lazily (only when the Triton path runs), so the choice of int
 """
 from __future__ import annotations
 
+import types
+
+import torch
+
+from attn_spec import varlen
+
 from . import registry
 from .ops.common.validation import validate, validate_offsets, validate_rope, validate_stick_breaking
 from .ops.softmax import reference as softmax_ref
@@ -143,3 +149,62 @@ def stick_breaking_reference(q, k, v, *, scale=None, decay=0.0, rope=None, posit
     """
     scale, decay, q_pos, kv_pos = validate_stick_breaking(q, k, v, scale, decay, rope, positions)
     return stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+
+
+# ----------------------------------------------------------------------------------------------
+# Variable-length batches (cu_seqlens)
+# ----------------------------------------------------------------------------------------------
+def _torch_varlen_ops(device):
+    return types.SimpleNamespace(arange=lambda n: torch.arange(n, device=device), maximum=torch.maximum,
+                                 cumsum=lambda x: torch.cumsum(x, 0),
+                                 searchsorted_right=lambda a, v: torch.searchsorted(a, v, right=True))
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=False, scale=None, window=None,
+                           softcap=None, rope=None, return_lse=False, implementation=None, config=None):
+    """`flash_attention` on a packed variable-length batch, FlashAttention's varlen form (the same
+    as `jax_attn.flash_attention_varlen`): q `[total_q, Hq, D]`, k, v `[total_k, Hkv, D]`,
+    cu_seqlens_q / cu_seqlens_k integer `[N + 1]` (None: as cu_seqlens_q); each sequence bottom-right
+    aligned for causal, window and RoPE positions. Segment ids serve it without a copy where the
+    packing allows; otherwise the aligned layout of `attn_spec.varlen`.
+
+    Returns: out `[total_q, Hq, D]`, or (out, lse `[Hq, total_q]`) when return_lse.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [total, heads, head_dim] (packed), got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+    cu_q = cu_seqlens_q
+    cu_k = cu_q if same else cu_seqlens_k
+    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+        if not isinstance(cu, torch.Tensor) or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {getattr(cu, 'dtype', type(cu).__name__)}")
+        varlen.check_cu_seqlens(name, cu, total, cu.cpu().numpy())
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k count different sequences: {tuple(cu_q.shape)} and "
+                         f"{tuple(cu_k.shape)}")
+    same = same or bool(torch.equal(cu_q.cpu(), cu_k.cpu()))
+    plan = varlen.layout(cu_q.to(q.device, torch.int64), cu_k.to(q.device, torch.int64), q.shape[0], k.shape[0],
+                         _torch_varlen_ops(q.device))
+    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, return_lse=True,
+              implementation=implementation, config=config)
+    if same or not (causal or window is not None):  # the packing serves: segment ids, no copy
+        positions = None if rope is None else (plan.pos_q[None], plan.pos_k[None])
+        out, lse = flash_attention(q[None], k[None], v[None], segment_ids=(plan.seq_q[None], plan.seq_k[None]),
+                                   positions=positions, **kw)
+        out, lse = out[0], lse[0]
+    else:  # the aligned layout: every sequence right-aligned in max(len_q, len_k) slots
+        rows = q.shape[0] + k.shape[0]
+
+        def scatter(x, slot, fill=0):
+            return torch.full((rows, *x.shape[1:]), fill, dtype=x.dtype, device=x.device).index_put((slot,), x)
+
+        ids = (scatter(plan.seq_q, plan.slot_q, -1), scatter(plan.seq_k, plan.slot_k, -2))  # padding: no match
+        positions = None if rope is None else (scatter(plan.pos_q, plan.slot_q)[None],
+                                               scatter(plan.pos_k, plan.slot_k)[None])
+        out, lse = flash_attention(scatter(q, plan.slot_q)[None], scatter(k, plan.slot_k)[None],
+                                   scatter(v, plan.slot_k)[None], segment_ids=(ids[0][None], ids[1][None]),
+                                   positions=positions, **kw)
+        out, lse = out[0][plan.slot_q], lse[0][:, plan.slot_q]
+    return (out, lse) if return_lse else out

@@ -142,3 +142,11 @@ def check_decay(decay, num_heads, dtype):
         raise ValueError(f"decay must be finite and >= 0, got decay={concrete}")
     compute = jnp.float64 if dtype == jnp.float64 else jnp.float32
     return jnp.broadcast_to(jnp.asarray(decay, compute), (num_heads,))
+
+
+def concrete(x):
+    """x's values as a NumPy array, or None while tracing (then only its shape can be checked)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
