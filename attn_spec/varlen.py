@@ -40,3 +40,18 @@ def check_cu_seqlens(name: str, cu, total: int, concrete) -> None:
         return
     if concrete[0] != 0 or concrete[-1] != total or (concrete[1:] < concrete[:-1]).any():
         raise ValueError(f"{name} must rise from 0 to the packed length {total}, got {concrete.tolist()}")
+
+
+def attend(plan, q, k, v, *, aligned: bool, rope: bool, scatter, call):
+    """Run `call(q, k, v, segment_ids, positions)` (one packed batch row) on the sequences of
+    `plan` -> (out [total_q, ...], lse [H, total_q]). aligned: through the aligned layout, with
+    scatter(x, slots, fill) placing rows into it (each framework's own); else on the packing."""
+    if not aligned:  # the packing serves: segment ids, no copy
+        positions = (plan.pos_q[None], plan.pos_k[None]) if rope else None
+        out, lse = call(q[None], k[None], v[None], (plan.seq_q[None], plan.seq_k[None]), positions)
+        return out[0], lse[0]
+    ids = (scatter(plan.seq_q, plan.slot_q, -1)[None], scatter(plan.seq_k, plan.slot_k, -2)[None])  # padding: no match
+    positions = (scatter(plan.pos_q, plan.slot_q, 0)[None], scatter(plan.pos_k, plan.slot_k, 0)[None]) if rope else None
+    out, lse = call(scatter(q, plan.slot_q, 0)[None], scatter(k, plan.slot_k, 0)[None], scatter(v, plan.slot_k, 0)[None],
+                    ids, positions)
+    return out[0][plan.slot_q], lse[0][:, plan.slot_q]

@@ -173,21 +173,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: 
     concrete_q, concrete_k = validation.concrete(cu_q), validation.concrete(cu_k)
     same = same or (concrete_q is not None and concrete_k is not None and (concrete_q == concrete_k).all())
     plan = varlen.layout(cu_q.astype(jnp.int32), cu_k.astype(jnp.int32), q.shape[0], k.shape[0], _JNP_VARLEN_OPS)
-    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, return_lse=True,
-              implementation=implementation, config=config)
-    if same or not (causal or window is not None):  # the packing serves: segment ids, no copy
-        positions = None if rope is None else (plan.pos_q[None], plan.pos_k[None])
-        out, lse = flash_attention(q[None], k[None], v[None], segment_ids=(plan.seq_q[None], plan.seq_k[None]),
-                                   positions=positions, **kw)
-        out, lse = out[0], lse[0]
-    else:  # the aligned layout: every sequence right-aligned in max(len_q, len_k) slots
-        rows = q.shape[0] + k.shape[0]
-        scatter = lambda x, slot, fill=0: jnp.full((rows, *x.shape[1:]), fill, x.dtype).at[slot].set(x)
-        ids = (scatter(plan.seq_q, plan.slot_q, -1), scatter(plan.seq_k, plan.slot_k, -2))  # padding: no match
-        positions = None if rope is None else (scatter(plan.pos_q, plan.slot_q), scatter(plan.pos_k, plan.slot_k))
-        out, lse = flash_attention(*(scatter(x, s)[None] for x, s in ((q, plan.slot_q), (k, plan.slot_k),
-                                                                        (v, plan.slot_k))),
-                                   segment_ids=tuple(i[None] for i in ids),
-                                   positions=None if positions is None else tuple(p[None] for p in positions), **kw)
-        out, lse = out[0][plan.slot_q], lse[0][:, plan.slot_q]
+    rows = q.shape[0] + k.shape[0]  # the aligned layout's
+    out, lse = varlen.attend(
+        plan, q, k, v, aligned=not same and (causal or window is not None), rope=rope is not None,
+        scatter=lambda x, slots, fill: jnp.full((rows, *x.shape[1:]), fill, x.dtype).at[slots].set(x),
+        call=lambda q, k, v, ids, positions: flash_attention(
+            q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, segment_ids=ids,
+            positions=positions, return_lse=True, implementation=implementation, config=config))
     return (out, lse) if return_lse else out

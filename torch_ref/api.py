@@ -187,24 +187,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=F
     same = same or bool(torch.equal(cu_q.cpu(), cu_k.cpu()))
     plan = varlen.layout(cu_q.to(q.device, torch.int64), cu_k.to(q.device, torch.int64), q.shape[0], k.shape[0],
                          _torch_varlen_ops(q.device))
-    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, return_lse=True,
-              implementation=implementation, config=config)
-    if same or not (causal or window is not None):  # the packing serves: segment ids, no copy
-        positions = None if rope is None else (plan.pos_q[None], plan.pos_k[None])
-        out, lse = flash_attention(q[None], k[None], v[None], segment_ids=(plan.seq_q[None], plan.seq_k[None]),
-                                   positions=positions, **kw)
-        out, lse = out[0], lse[0]
-    else:  # the aligned layout: every sequence right-aligned in max(len_q, len_k) slots
-        rows = q.shape[0] + k.shape[0]
-
-        def scatter(x, slot, fill=0):
-            return torch.full((rows, *x.shape[1:]), fill, dtype=x.dtype, device=x.device).index_put((slot,), x)
-
-        ids = (scatter(plan.seq_q, plan.slot_q, -1), scatter(plan.seq_k, plan.slot_k, -2))  # padding: no match
-        positions = None if rope is None else (scatter(plan.pos_q, plan.slot_q)[None],
-                                               scatter(plan.pos_k, plan.slot_k)[None])
-        out, lse = flash_attention(scatter(q, plan.slot_q)[None], scatter(k, plan.slot_k)[None],
-                                   scatter(v, plan.slot_k)[None], segment_ids=(ids[0][None], ids[1][None]),
-                                   positions=positions, **kw)
-        out, lse = out[0][plan.slot_q], lse[0][:, plan.slot_q]
+    rows = q.shape[0] + k.shape[0]  # the aligned layout's
+    out, lse = varlen.attend(
+        plan, q, k, v, aligned=not same and (causal or window is not None), rope=rope is not None,
+        scatter=lambda x, slots, fill: torch.full((rows, *x.shape[1:]), fill, dtype=x.dtype,
+                                                  device=x.device).index_put((slots,), x),
+        call=lambda q, k, v, ids, positions: flash_attention(
+            q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, segment_ids=ids,
+            positions=positions, return_lse=True, implementation=implementation, config=config))
     return (out, lse) if return_lse else out
