@@ -134,12 +134,9 @@ def check_decay(decay, num_heads, dtype):
         raise TypeError(f"decay must have a floating dtype, got decay.dtype={decay.dtype}")
     if decay.shape not in ((), (num_heads,)):
         raise ValueError(f"decay must be a scalar or have shape [Hq] = ({num_heads},), got {decay.shape}")
-    try:  # concrete values are checked; a traced (learnable) decay cannot be inspected here
-        concrete = np.asarray(decay)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        concrete = None
-    if concrete is not None and not (np.all(np.isfinite(concrete)) and np.all(concrete >= 0)):
-        raise ValueError(f"decay must be finite and >= 0, got decay={concrete}")
+    values = concrete(decay)  # a traced (learnable) decay cannot be inspected here
+    if values is not None and not (np.all(np.isfinite(values)) and np.all(values >= 0)):
+        raise ValueError(f"decay must be finite and >= 0, got decay={values}")
     compute = jnp.float64 if dtype == jnp.float64 else jnp.float32
     return jnp.broadcast_to(jnp.asarray(decay, compute), (num_heads,))
 
