@@ -15,7 +15,7 @@ from jax_attn.ops.common.spec import AttentionSpec
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                     segment_ids=None, window: tuple[int, int] | None = None,
                     softcap: float | None = None, rope: Rope | None = None, positions=None,
-                    q_offset: int = 0, kv_offset: int = 0,
+                    q_offset: int = 0, kv_offset: int = 0, alibi_slopes=None,
                     return_lse: bool = False, implementation: str | None = None, config=None):
     """Multi-head attention, `softmax(scale * q k^T + mask) v`, FlashAttention-style.
 
@@ -38,6 +38,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         key: causality and windows compare i + q_offset with j + kv_offset. Bottom-right
         alignment (FlashAttention's, for Sq != Sk: a decode step or a prefill chunk against the
         cache before it) is q_offset = Sk - Sq. Fully masked tiles are still skipped.
+      alibi_slopes: float [Hq] or None: ALiBi, scores get -slope_h * |i + q_offset - j - kv_offset|
+        before the mask (FlashAttention's alibi_slopes; not differentiated).
       return_lse: also return lse [B, Hq, Sq] float32 (natural log; -inf on rows with no
         visible key). The lse output is differentiable.
       implementation: None (the rule of `jax_attn.registry.choose`: "xla" where Pallas Triton
@@ -74,14 +76,16 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
                          for n, start in ((q_len, q_offset), (kv_len, kv_offset)))
     softcap = validation.check_positive("softcap", softcap)
     scale = validation.check_positive("scale", scale)
+    slopes = validation.check_slopes(alibi_slopes, q.shape[2], q.dtype)
     spec = AttentionSpec(
         scale=head_dim ** -0.5 if scale is None else scale,
         causal=bool(causal), window_left=left, window_right=right, softcap=softcap,
-        has_segments=q_ids is not None, precision=validation.fp32_precision(q.dtype), rope=rope, offset=offset)
+        has_segments=q_ids is not None, precision=validation.fp32_precision(q.dtype), rope=rope, offset=offset,
+        alibi=slopes is not None)
     call = registry.Call(spec, head_dim, q.dtype, positions=q_pos is not None)
     entry = registry.resolve("softmax", implementation, call)
     config = registry.check_config(entry, config, call)
-    out, lse = entry.fn(q, k, v, q_ids, kv_ids, spec, q_pos=q_pos, kv_pos=kv_pos, config=config)
+    out, lse = entry.fn(q, k, v, q_ids, kv_ids, spec, q_pos=q_pos, kv_pos=kv_pos, slopes=slopes, config=config)
     return (out, lse) if return_lse else out
 
 

@@ -525,3 +525,24 @@ def test_mosaic_refuses_offsets():
     spec = jax_attn.AttentionSpec(scale=1.0, causal=True, offset=3)
     reason = jax_attn.ops.softmax.mosaic.unsupported_reason(spec, 64, jnp.bfloat16)
     assert reason is not None and "q_offset != kv_offset" in reason
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ((0.5, 0.25), TypeError, "alibi_slopes must be a float"),
+    (np.ones(3, np.float32), ValueError, r"alibi_slopes must have shape \[Hq\] = \(2,\)"),
+    (np.array([0.5, np.inf], np.float32), ValueError, "alibi_slopes must be finite"),
+    (np.ones(2, np.int32), TypeError, "alibi_slopes must be a float")])
+def test_alibi_slopes_are_checked(bad, error, match):
+    x = jnp.zeros((1, 4, 2, 16), jnp.float32)
+    with pytest.raises(error, match=match):
+        flash_attention(x, x, x, alibi_slopes=bad)
+    t = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(error, match=match):
+        torch_flash_attention(t, t, t, alibi_slopes=bad if not isinstance(bad, np.ndarray) else torch.from_numpy(bad))
+    assert flash_attention(x, x, x, alibi_slopes=np.zeros(2, np.float32)).shape == x.shape  # the boundary
+
+
+def test_mosaic_refuses_alibi():
+    spec = jax_attn.AttentionSpec(scale=1.0, causal=True, alibi=True)
+    reason = jax_attn.ops.softmax.mosaic.unsupported_reason(spec, 64, jnp.bfloat16)
+    assert reason is not None and "ALiBi" in reason

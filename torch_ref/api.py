@@ -18,7 +18,8 @@ import torch
 from attn_spec import varlen
 
 from . import registry
-from .ops.common.validation import validate, validate_offsets, validate_rope, validate_stick_breaking
+from .ops.common.validation import (validate, validate_alibi, validate_offsets, validate_rope,
+                                    validate_stick_breaking)
 from .ops.softmax import reference as softmax_ref
 from .ops.stick_breaking import reference as stick_breaking_ref
 
@@ -29,8 +30,8 @@ __all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_atten
 # Softmax attention
 # ----------------------------------------------------------------------------------------------
 def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
-                    rope=None, positions=None, q_offset=0, kv_offset=0, return_lse=False, implementation=None,
-                    config=None):
+                    rope=None, positions=None, q_offset=0, kv_offset=0, alibi_slopes=None, return_lse=False,
+                    implementation=None, config=None):
     """Scaled dot-product attention, FlashAttention-style.
 
     Args:
@@ -54,6 +55,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
       q_offset, kv_offset: ints >= 0, the absolute positions of the first query and the first key:
         causality and windows compare i + q_offset with j + kv_offset. Bottom-right alignment
         (FlashAttention's, for Sq != Sk) is q_offset = Sk - Sq. Fully masked tiles are still skipped.
+      alibi_slopes: float tensor `[Hq]` or None: ALiBi, scores get -slope_h |i + q_offset - j - kv_offset|
+        before the mask (FlashAttention's alibi_slopes; not differentiated).
       return_lse: also return lse `[B, Hq, Sq]`, lse_i = log sum_{visible j} exp(s_ij) (natural log;
         float32, float64 for float64 eager). A row with no visible key gets out 0, lse -inf and
         zero gradients.
@@ -76,12 +79,13 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
     """
     scale, q_ids, kv_ids, window, softcap = validate(q, k, v, causal, scale, segment_ids, window, softcap)
     causal, window = validate_offsets(causal, window, q_offset, kv_offset, q.shape[1], k.shape[1])
+    alibi = validate_alibi(alibi_slopes, q, q_offset, kv_offset)
     q_pos, kv_pos = validate_rope(q, k, rope, positions, q_offset, kv_offset)
     call = registry.Call.of(q)
     entry = registry.resolve("softmax", implementation, call)
     config = registry.check_config(entry, config, call)
     out, lse = entry.fn(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
-                        softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos, config=config)
+                        softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos, config=config, alibi=alibi)
     return (out, lse) if return_lse else out
 
 

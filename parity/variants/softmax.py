@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 import jax_attn
@@ -29,9 +30,13 @@ def run_jax(case: Case, implementation: str, dtype: str, inputs) -> list:
     extra = {} if case.rope is None else dict(rope=jax_attn.Rope(style=case.rope[0], base=case.rope[1]),
                                              positions=v.jax_ints(pos))
 
+    kw = case.call_kwargs()
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = np.asarray(kw["alibi_slopes"], np.float64 if dtype == "float64" else np.float32)
+
     def f(q, k, vv):
         return jax_attn.flash_attention(q, k, vv, segment_ids=v.jax_ints(seg), return_lse=True,
-                                        implementation=implementation, **case.call_kwargs(), **extra)
+                                        implementation=implementation, **kw, **extra)
 
     (out, lse), vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(vv))
     grads = vjp((cast(do), jnp.asarray(dstat, v.JAX_DTYPES[v.stat_dtype(dtype)])))
@@ -44,8 +49,12 @@ def run_torch(case: Case, implementation: str, dtype: str, inputs, device="cpu")
     leaves = [torch.tensor(x, dtype=tdt, device=device, requires_grad=True) for x in (q, k, vv)]
     extra = {} if case.rope is None else dict(rope=torch_ref.Rope(style=case.rope[0], base=case.rope[1]),
                                              positions=v.torch_ints(pos, device))
+    kw = case.call_kwargs()
+    if "alibi_slopes" in kw:
+        kw["alibi_slopes"] = torch.tensor(kw["alibi_slopes"], dtype=torch.float64 if dtype == "float64" else torch.float32,
+                                          device=device)
     out, lse = torch_ref.flash_attention(*leaves, segment_ids=v.torch_ints(seg, device), return_lse=True,
-                                         implementation=implementation, **case.call_kwargs(), **extra)
+                                         implementation=implementation, **kw, **extra)
     cotangents = (torch.tensor(do, dtype=tdt, device=device), torch.tensor(dstat, dtype=lse.dtype, device=device))
     grads = torch.autograd.grad((out, lse), leaves, cotangents)
     return [v.to_numpy(x) for x in (out, lse, *grads)]
@@ -58,7 +67,7 @@ def jax_call(case: Case):
         scale=1.0, causal=kw.get("causal", False), window_left=left, window_right=right,
         softcap=kw.get("softcap"), has_segments=case.segments is not None,
         rope=None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1]),
-        offset=kw.get("q_offset", 0) - kw.get("kv_offset", 0))
+        offset=kw.get("q_offset", 0) - kw.get("kv_offset", 0), alibi="alibi_slopes" in kw)
     offsets_position_rope = case.rope is not None and (kw.get("q_offset", 0) or kw.get("kv_offset", 0))
     return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype),
                                   positions=case.positions is not None or bool(offsets_position_rope))
@@ -78,6 +87,11 @@ CASES = (
     _case("bottom_right_decode_gqa", (2, 1, 37, 4, 2, 32), causal=True, q_offset=36),
     _case("bottom_right_chunk_window_gqa", (1, 17, 53, 6, 2, 40), causal=True, window=(8, 0), q_offset=36),
     _case("offsets_window_fp16", (1, 29, 45, 4, 1, 64), "float16", window=(5, 3), q_offset=20, kv_offset=4),
+    # ALiBi (FlashAttention's alibi_slopes): -slope_h |i + q_offset - j - kv_offset| before the mask
+    _case("alibi_causal_gqa", (1, 47, 47, 4, 2, 32), causal=True, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)),
+    _case("alibi_bottom_right_window_fp16", (2, 19, 40, 2, 1, 64), "float16", window=(9, 0), causal=True,
+          q_offset=21, alibi_slopes=(0.3, 0.05)),
+    _case("alibi_dense_cross_softcap", (1, 33, 50, 2, 2, 16), softcap=4.0, alibi_slopes=(0.1, 1.0)),
     # FlashAttention's bwd_overflow: fp16, two or three keys, large logits (very negative lse on
     # some rows: a key block of padding run unmasked made the Hopper dQ NaN there)
     _case("fp16_overflow_2x2_d64", (2, 2, 2, 5, 5, 64), dtype="float16", amp=4.0),
@@ -87,6 +101,8 @@ CASES = (
     _case("bf16_dense_4k", (1, 4096, 4096, 4, 4, 128), "bfloat16", gpu=True),
     _case("bf16_bottom_right_chunk_1k_of_4k_gqa", (2, 1024, 4096, 8, 2, 128), "bfloat16", causal=True,
           q_offset=3072, gpu=True),
+    _case("bf16_alibi_causal_2k_gqa", (2, 2048, 2048, 8, 2, 128), "bfloat16", causal=True,
+          alibi_slopes=tuple(2.0 ** (-8 * (h + 1) / 8) for h in range(8)), gpu=True),
     _case("bf16_causal_4k", (1, 4096, 4096, 4, 4, 128), "bfloat16", causal=True, gpu=True),
     _case("fp16_window_4k_d64", (1, 4096, 4096, 8, 2, 64), "float16", window=(512, 128), gpu=True),
     _case("bf16_packed_2k", (2, 2048, 2048, 4, 4, 128), "bfloat16", segments="packed", causal=True, gpu=True),
@@ -187,6 +203,9 @@ GRID = (
     _rope_case("rope_half_empty_tail_fp16", (1, 40, 35, 4, 2, 40), "half", "float16", segments="pair_empty_tail",
                positions="restart_per_segment", causal=True, stat_grad=True),
     _rope_case("rope_offsets_causal_gqa", (1, 23, 31, 4, 2, 32), "half", causal=True, q_offset=40, kv_offset=32),
+    _case("alibi_offsets_window_gqa", (1, 33, 40, 4, 2, 32), causal=True, window=(9, 0), q_offset=7,
+          alibi_slopes=(0.5, 0.25, 0.125, 0.0625)),
+    _case("alibi_dense_mqa_fp16", (2, 17, 29, 2, 1, 40), "float16", alibi_slopes=(0.2, 0.7)),
     # Compiled kernels at realistic shapes (make test-gpu).
     *(_case(f"gpu_{dt}_{'causal' if causal else 'dense'}_{'gqa' if hkv == 2 else 'mha'}",
             (2, 1024, 1024, 8, hkv, 128), dt, causal=causal, gpu=True)

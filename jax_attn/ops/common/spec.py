@@ -32,6 +32,7 @@ class AttentionSpec:
     offset: q_offset - kv_offset, the absolute position of query row 0 minus that of key row 0:
       causality and windows compare absolute positions, i + offset against j (Sk - Sq:
       bottom-right aligned, as FlashAttention).
+    alibi: scores get -slope_h * |i + offset - j| (ALiBi, per-head slopes given at run time).
     """
 
     scale: float
@@ -43,6 +44,7 @@ class AttentionSpec:
     precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
     rope: Rope | None = None  # rotate q and k by their positions (fused in the kernels)
     offset: int = 0
+    alibi: bool = False
 
     @property
     def has_position_mask(self) -> bool:

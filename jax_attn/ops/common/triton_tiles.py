@@ -138,10 +138,12 @@ def unpack(refs, spec):
 def side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block):
     """BlockSpecs and args of the optional side inputs, in the order `unpack` reads them.
 
-    side = (q_info, kv_info, q_table, kv_table) (None where absent); q_rows / kv_rows: rows per
-    block; q_block / kv_block map the grid ids to the block index along the sequence (the batch is
-    always grid axis 1)."""
-    q_info, kv_info, q_table, kv_table = side
+    side = (q_info, kv_info, q_table, kv_table[, slopes]) (None where absent); q_rows / kv_rows:
+    rows per block; q_block / kv_block map the grid ids to the block index along the sequence (the
+    batch is always grid axis 1). slopes (ALiBi, [heads padded]) come whole, after the tables: the
+    first ref after them in the kernel."""
+    q_info, kv_info, q_table, kv_table, *rest = side
+    slopes = rest[0] if rest else None
     specs, args = [], []
     if q_info is not None:
         fields = q_info.shape[1]
@@ -153,6 +155,9 @@ def side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block):
         specs += [pl.BlockSpec((None, 2, q_rows, half), lambda *g: (g[1], 0, q_block(*g), 0)),
                   pl.BlockSpec((None, 2, kv_rows, half), lambda *g: (g[1], 0, kv_block(*g), 0))]
         args += [q_table, kv_table]
+    if slopes is not None:
+        specs.append(pl.BlockSpec(slopes.shape, lambda *g: (0,)))
+        args.append(slopes)
     return specs, args
 
 

@@ -147,3 +147,18 @@ def concrete(x):
         return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return None
+
+
+def check_slopes(slopes, num_heads: int, dtype):
+    """ALiBi slopes: None, or a float array [Hq] (finite where its values are known) -> float32
+    (float64 for the golden) [Hq] or None."""
+    if slopes is None:
+        return None
+    if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype") or not jnp.issubdtype(slopes.dtype, jnp.floating):
+        raise TypeError(f"alibi_slopes must be a float array [Hq], got {getattr(slopes, 'dtype', type(slopes).__name__)}")
+    if tuple(slopes.shape) != (num_heads,):
+        raise ValueError(f"alibi_slopes must have shape [Hq] = ({num_heads},), got {tuple(slopes.shape)}")
+    values = concrete(slopes)
+    if values is not None and not np.all(np.isfinite(values)):
+        raise ValueError(f"alibi_slopes must be finite, got {values}")
+    return jnp.asarray(slopes, jnp.float64 if dtype == jnp.float64 else jnp.float32)

@@ -13,7 +13,7 @@ from jax_attn.ops.common.rope import apply_rope
 from jax_attn.ops.common.spec import AttentionSpec, visible
 
 
-def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None):
+def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None, slopes=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], ids [B, Sq]/[B, Sk] or None -> (out, lse [B, Hq, Sq]).
 
     With spec.rope, q and k are first rotated by q_pos [B, Sq] / kv_pos [B, Sk] (plain jnp)."""
@@ -31,6 +31,9 @@ def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=No
         s = spec.softcap * jnp.tanh(s / spec.softcap)
     rows = jnp.arange(q_len)[None, None, None, :, None]  # against s [B, Hkv, G, Sq, Sk]
     cols = jnp.arange(kv_len)[None, None, None, None, :]
+    if spec.alibi:  # -slope_h |i + offset - j|, per query head h = kv_head * G + g
+        slope = slopes.astype(s.dtype).reshape(num_kv_heads, group)[None, :, :, None, None]
+        s = s - slope * jnp.abs(rows + spec.offset - cols).astype(s.dtype)
     seg_q = q_seg[:, None, None, :, None] if spec.has_segments else None
     seg_k = kv_seg[:, None, None, None, :] if spec.has_segments else None
     mask = visible(spec, rows, cols, kv_len, seg_q, seg_k)

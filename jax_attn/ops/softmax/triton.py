@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.ops.common import padding, triton_tiles as tiles
-from attn_spec.tiles import BlockSizes
+from attn_spec.tiles import BlockSizes, pow2_at_least
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, visible
 from jax_attn.ops.common.triton_tiles import rope_tables
 from jax_attn.ops.common.visit import block_ranges
@@ -101,6 +101,12 @@ def _scores(q_parts, k_parts, spec, *, k_major=False):
     return t * (spec.softcap * LOG2E), t
 
 
+def _alibi(spec, slope, rows, cols):
+    """ALiBi in log2 units: -slope * |i + offset - j| * log2(e), for rows and cols broadcast."""
+    distance = rows + spec.offset - cols if spec.offset else rows - cols
+    return jnp.abs(distance).astype(jnp.float32) * (-slope * LOG2E)
+
+
 def _mask(spec, st: _Static, s, rows, cols, q_seg, kv_seg):
     """Set scores of invisible (row, col) pairs to -inf; also return the mask."""
     mask = visible(spec, rows, cols, st.kv_len, q_seg, kv_seg)
@@ -131,7 +137,9 @@ def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
 
 def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     spec = st.spec
-    q_info, kv_info, tables, (o_ref, lse_ref, m2_ref, inv_l_ref, *q_rot_ref) = tiles.unpack(refs, spec)
+    q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
+    slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
+    o_ref, lse_ref, m2_ref, inv_l_ref, *q_rot_ref = rest
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     rope = spec.rope is not None
@@ -152,6 +160,8 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         k = tiles.rotate(tiles.load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[tile, :]
         s, _ = _scores(q, k, spec)
+        if spec.alibi:
+            s = s + _alibi(spec, slope, rows[:, None], (start + jnp.arange(block_k))[None, :])
         if masked:
             cols = start + jnp.arange(block_k)
             kv_seg = kv_info.get("seg", tile)
@@ -228,7 +238,10 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
                  st: _Static):
     """One program per (key block, batch, kv head); loops over the group's query heads."""
     spec = st.spec
-    q_info, kv_info, tables, (dk_ref, dv_ref, *k_rot_ref) = tiles.unpack(refs, spec)
+    q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
+    slopes_ref = rest.pop(0) if spec.alibi else None
+    dk_ref, dv_ref, *k_rot_ref = rest
+    first_head = pl.program_id(2) * q_ref.shape[1] if spec.alibi else None  # the group's first query head
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
@@ -256,6 +269,9 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
         inv_l = inv_l_ref[g, tile]
         delta = delta_ref[g, tile]
         s, t = _scores((q,), (k,), spec, k_major=True)  # [block_k, block_q]
+        if spec.alibi:
+            slope = slopes_ref[first_head + g]
+            s = s + _alibi(spec, slope, (start + jnp.arange(block_q))[None, :], cols)
         if masked:
             rows = (start + jnp.arange(block_q))[None, :]
             q_seg = q_info.get("seg", tile)
@@ -282,7 +298,9 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
                st: _Static):
     """One program per (query block, batch, query head); loops over its visible key blocks."""
     spec = st.spec
-    q_info, kv_info, tables, (dq_ref,) = tiles.unpack(refs, spec)
+    q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
+    slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
+    (dq_ref,) = rest
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k_dq
     q = q_ref[...]  # q, k rotated already: the products take them whole
@@ -300,6 +318,8 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
         k = k_ref[tile, :]
         v = v_ref[tile, :]
         s, t = _scores((q,), (k,), spec)
+        if spec.alibi:
+            s = s + _alibi(spec, slope, rows, (start + jnp.arange(block_k))[None, :])
         if masked:
             cols = (start + jnp.arange(block_k))[None, :]
             kv_seg = kv_info.get("seg", tile)
@@ -428,11 +448,12 @@ def _side_info(fields, length, seg):
 
 def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None,
                            blocks: BlockSizes | None = None, interpret: bool | None = None,
-                           kernels: str = "triton", mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None):
+                           kernels: str = "triton", mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None,
+                           slopes=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (validated) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]).
 
     Segment ids [B, Sq]/[B, Sk] when spec.has_segments; RoPE positions [B, Sq]/[B, Sk] when
-    spec.rope. Pads the head dim to a power of two and the sequences to tile multiples (zeros;
+    spec.rope; ALiBi slopes [Hq] fp32 when spec.alibi. Pads the head dim to a power of two and the sequences to tile multiples (zeros;
     padded keys are masked, padded rows sliced off), so any shape runs on one kernel family.
     kernels="mosaic_gpu" runs the Hopper kernels of `mosaic_gpu` instead, forward and backward
     (raises where they cannot serve the call).
@@ -472,6 +493,8 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     elif spec.rope is not None:
         side[2:] = (rope_tables(q_pos, spec.rope, head_dim, head_pad, q_pad, batch),
                     rope_tables(kv_pos, spec.rope, head_dim, head_pad, kv_pad, batch))
+    if spec.alibi:  # whole, padded to a power of two (a Triton block)
+        side.append(padding.pad_axis(slopes.astype(jnp.float32), 0, pow2_at_least(slopes.shape[0])))
     side = tuple(side)
     if spec.has_segments:
         q_seg = padding.pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")

@@ -122,6 +122,19 @@ def validate_offsets(causal, window, q_offset, kv_offset, Sq: int, Sk: int):
     return False, (unbounded if before is None else before, unbounded if after is None else after)
 
 
+def validate_alibi(slopes, q, q_offset, kv_offset):
+    """ALiBi slopes: None, or a float tensor [Hq] of finite values -> (slopes, q_offset - kv_offset)."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor) or not slopes.dtype.is_floating_point:
+        raise TypeError(f"alibi_slopes must be a float tensor [Hq], got {getattr(slopes, 'dtype', type(slopes).__name__)}")
+    if tuple(slopes.shape) != (q.shape[2],):
+        raise ValueError(f"alibi_slopes must have shape [Hq] = ({q.shape[2]},), got {tuple(slopes.shape)}")
+    if not bool(torch.isfinite(slopes).all()):
+        raise ValueError(f"alibi_slopes must be finite, got {slopes.tolist()}")
+    return slopes.detach(), int(q_offset) - int(kv_offset)
+
+
 def validate_rope(q, k, rope, positions, q_offset: int = 0, kv_offset: int = 0):
     """Check rope / positions; return (q_pos [B, Sq], kv_pos [B, Sk]) (None, None without rope).
 

@@ -30,12 +30,13 @@ def visibility(Sq: int, Sk: int, *, causal: bool, window, q_ids, kv_ids, device)
 
 
 def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
-              rope=None, q_pos=None, kv_pos=None):
+              rope=None, q_pos=None, kv_pos=None, alibi=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq]).
 
     Inputs are assumed validated (see torch_ref.ops.common.validation). Rows with no visible key give out 0 and
     lse -inf, with zero (never NaN) gradients. rope: a `Rope` (then q_pos [B, Sq] and kv_pos
-    [B, Sk] are the integer positions of q and k) or None.
+    [B, Sk] are the integer positions of q and k) or None. alibi: (slopes [Hq], offset) or None:
+    scores get -slope_h |i + offset - j|.
     """
     if rope is not None:
         q = apply_rope(q, q_pos, rope)
@@ -68,6 +69,10 @@ def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, w
     # Safe shift: rows with no visible key have max -inf; shift them by 0 so exp gives 0
     # everywhere and l = 0 (no -inf - -inf = NaN, forward or backward).
     s = s.to(stat)
+    if alibi is not None:
+        slopes, offset = alibi
+        distance = (torch.arange(Sq, device=q.device)[:, None] + offset - torch.arange(Sk, device=q.device)[None, :])
+        s = s - slopes.to(stat)[None, :, None, None] * distance.abs().to(stat)
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=stat, device=m.device))
     e = torch.exp(s - m)

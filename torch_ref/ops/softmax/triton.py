@@ -154,12 +154,12 @@ def _visited(RANGES, block):
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, sks_s, skp_s,
-               theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul,
+               theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff,
                blk_lo, blk_hi,
                BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-               ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+               ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """With ROPE, q and q2 are the rotated pair halves of the query tile; otherwise q is the tile."""
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
@@ -174,6 +174,8 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
             kT = load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
             qk = tl.dot(q, kT, input_precision=PRECISION)
         s2, t = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
+        if HAS_ALIBI:  # -slope |i + offset - j|, in log2 units
+            s2 = s2 - slope2 * tl.abs(offs_m[:, None] + aoff - cols[None, :]).to(tl.float32)
         v = load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, POSITIONAL, CHECK_D)
         if POSITIONAL or HAS_SEGMENTS:
             ks = 0
@@ -198,20 +200,23 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGES,
+def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
                 sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right,
+                Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right, aoff,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """grid (cdiv(Sq, BLOCK_M), Hq, B). Writes O [B, Sq, Hq, D]; LSE, M2, INV_L [B, Hq, Sq].
     With ROPE: THETA [D/2] fp32, QPOS [B, Sq], KPOS [B, Sk] integer positions."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     hk = (h // GROUP).to(tl.int64)
+    slope2 = 0.0  # ALiBi slope of this head, times log2(e)
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + h)
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
     HALF: tl.constexpr = HEAD_DIM // 2
     CHECK_H: tl.constexpr = BLOCK_H != HALF
@@ -243,16 +248,16 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL,
-                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+                               score_mul, cap_mul, slope2, aoff, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL,
+                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL,
-                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+                               score_mul, cap_mul, slope2, aoff, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL,
+                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL,
-                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+                               score_mul, cap_mul, slope2, aoff, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL,
+                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
 
     # A row that saw no key has l = 0 and acc = 0: out 0, lse -inf, m2 = +inf, inv_l = 0.
     empty = l_i == 0.0
@@ -274,11 +279,11 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
 @triton.jit
 def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
                 qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk,
-                left, right, score_mul, cap_mul, blk_lo, blk_hi,
+                left, right, score_mul, cap_mul, slope2, aoff, blk_lo, blk_hi,
                 BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                 POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
     # Tiles are transposed ([keys, queries]) so dK, dV accumulate as [BLOCK_N, D] without trans.
     # With ROPE, (k, k2) and (dk, dk2) are the pair halves (rotated k; gradient w.r.t. it).
     # (kT, kT2): the key tile as the forward loads it, used only if _FWD_SCORES (interpreter).
@@ -306,6 +311,8 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
             qT = load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
             qk = tl.dot(k, qT, input_precision=PRECISION)
         s2T, tT = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
+        if HAS_ALIBI:
+            s2T = s2T - slope2 * tl.abs(rows[None, :] + aoff - offs_n[:, None]).to(tl.float32)
         if POSITIONAL:
             m2 = tl.load(m2_base + rows, mask=m_ok, other=float("inf"))
             inv_l = tl.load(inv_l_base + rows, mask=m_ok, other=0.0)
@@ -346,15 +353,15 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, QPOS, KPOS, RANGES,
+def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                      sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
                      sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                     Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right,
+                     Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-                     ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+                     ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """grid (cdiv(Sk, BLOCK_N), Hkv, B). dK, dV of one key tile summed over the GQA group
     in registers, in a fixed order: deterministic, no atomics. With ROPE the group's q heads are
     rotated by the q positions of the batch row, and dK is rotated back (R^T) before the store."""
@@ -404,6 +411,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_n)
     for g in range(GROUP):
         h = hk * GROUP + g
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(ALIBI + h)
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
         m2_base = M2 + (b * Hq + h) * Sq
@@ -411,19 +421,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         delta_base = DELTA + (b * Hq + h) * Sq
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
-                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, b_lo,
+                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff, b_lo,
                                   f_lo, BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
-                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
-                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, f_lo,
+                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff, f_lo,
                                   f_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
-                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
-                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, f_hi,
+                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff, f_hi,
                                   b_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
-                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
 
     if ROPE:
         # ds/dk' = scale * q' (the softcap factor is already in ds); dk = R^T dk'
@@ -446,11 +456,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
 @triton.jit
 def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd,
               sks_s, skp_s, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul,
-              cap_mul, blk_lo, blk_hi,
+              cap_mul, slope2, aoff, blk_lo, blk_hi,
               BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
               POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-              ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+              ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """With ROPE, (q, q2) and (dq, dq2) are the pair halves (rotated q; gradient w.r.t. it)."""
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
@@ -465,6 +475,8 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
         if ROPE:
             qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
         s2, t = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
+        if HAS_ALIBI:
+            s2 = s2 - slope2 * tl.abs(offs_m[:, None] + aoff - cols[None, :]).to(tl.float32)
         p = tl.exp2(s2 - m2[:, None]) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -488,20 +500,23 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, KPOS, RANGES,
+def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                    sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                    sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
                    sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                   Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right,
+                   Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-                   ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr):
+                   ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """grid (cdiv(Sq, BLOCK_M), Hq, B). With ROPE, dQ is rotated back (R^T) before the store."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     hk = (h // GROUP).to(tl.int64)
+    slope2 = 0.0  # ALiBi slope of this head, times log2(e)
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + h)
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
     HALF: tl.constexpr = HEAD_DIM // 2
     CHECK_H: tl.constexpr = BLOCK_H != HALF
@@ -541,16 +556,16 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
-                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+                        score_mul, cap_mul, slope2, aoff, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
+                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL, HAS_WINDOW,
-                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+                        score_mul, cap_mul, slope2, aoff, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL, HAS_WINDOW,
+                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
-                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION)
+                        score_mul, cap_mul, slope2, aoff, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
+                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
     if ROPE:
         store_unrotated(DQ + b * sdqb + h * sdqh, offs_m, m_ok, sdqs, sdqd, dq * sm_scale, dq2 * sm_scale,
                         QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
@@ -577,18 +592,27 @@ def _segment_args(q_ids, kv_ids, q):
     return q_ids, kv_ids, (q_ids.stride(0), q_ids.stride(1), kv_ids.stride(0), kv_ids.stride(1))
 
 
+def _alibi_args(alibi, q):
+    """(slopes times log2(e) [Hq] fp32, offset) for the kernels; a dummy (never read) without ALiBi."""
+    if alibi is None:
+        return torch.zeros(1, dtype=torch.float32, device=q.device), 0
+    slopes, offset = alibi
+    return (slopes.to(q.device, torch.float32) * LOG2E).contiguous(), int(offset)
+
+
 def _flags(causal, window, q_ids, softcap):
     return dict(IS_CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_SEGMENTS=q_ids is not None,
                 HAS_SOFTCAP=softcap is not None)
 
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
-            rope=None, q_pos=None, kv_pos=None, config: BlockSizes | None = None):
+            rope=None, q_pos=None, kv_pos=None, config: BlockSizes | None = None, alibi=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse, stats).
 
     lse [B, Hq, Sq] fp32 natural log (-inf for rows with no visible key); stats = (m2, inv_l), each
     [B, Hq, Sq] fp32, is what `backward` needs. rope: a `torch_ref.Rope` or None; with it, q_pos
     [B, Sq] and kv_pos [B, Sk] are the integer positions (q and k are rotated inside the kernel).
+    alibi: (slopes [Hq] fp32, offset) or None: scores get -slope_h |i + offset - j|.
     Inputs are assumed validated (see torch_ref.ops.common.validation).
     """
     B, Sq, Hq, D = q.shape
@@ -602,21 +626,23 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
+    alibi_args = _alibi_args(alibi, q)
     grid = (triton.cdiv(Sq, cfg.block_q), Hq, B)
     with device_ctx(q):
         _fwd_kernel[grid](
             q, k, v, out, lse, m2, inv_l, qseg, kseg, *rope_ptrs,
             block_ranges(causal, window, Sq, Sk, cfg.block_q, cfg.block_k, key_major=False, device=q.device),
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
-            Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, left, right,
+            alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
+            Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, left, right, *alibi_args[1:],
             HEAD_DIM=D, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, BLOCK_D=block_d(D),
             PRECISION=precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **_flags(causal, window, q_ids, softcap), **rope_flags)
+            **_flags(causal, window, q_ids, softcap), **rope_flags, HAS_ALIBI=alibi is not None)
     return out, lse, (m2, inv_l)
 
 
 def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None,
-             softcap=None, rope=None, q_pos=None, kv_pos=None, dlse=None, config: BlockSizes | None = None):
+             softcap=None, rope=None, q_pos=None, kv_pos=None, dlse=None, config: BlockSizes | None = None,
+             alibi=None):
     """Gradients (dq, dk, dv) shaped like q, k, v, from dO [B, Sq, Hq, D], the forward's `out`
     and `stats`, and optionally the cotangent of the natural lse `dlse [B, Hq, Sq]`.
 
@@ -642,18 +668,20 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), PRECISION=precision(q.dtype), num_warps=cfg.num_warps_bwd,
-                  num_stages=cfg.num_stages_bwd, **_flags(causal, window, q_ids, softcap), **rope_flags)
-    scalars = (Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, scale, left, right)
+                  num_stages=cfg.num_stages_bwd, **_flags(causal, window, q_ids, softcap), **rope_flags,
+                  HAS_ALIBI=alibi is not None)
+    alibi_args = _alibi_args(alibi, q)
+    scalars = (Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, scale, left, right, *alibi_args[1:])
     with device_ctx(q):
         _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_k_dkv), Hkv, B)](
             q, k, v, do, *stats, delta, dk, dv, qseg, kseg, *rope_ptrs,
             block_ranges(causal, window, Sq, Sk, cfg.block_q_dkv, cfg.block_k_dkv, key_major=True, device=q.device),
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
+            alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
             *rope_strides, *scalars, BLOCK_M=cfg.block_q_dkv, BLOCK_N=cfg.block_k_dkv, **common)
         _bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_q_dq), Hq, B)](
             q, k, v, do, *stats, delta, dq, qseg, kseg, *rope_ptrs,
             block_ranges(causal, window, Sq, Sk, cfg.block_q_dq, cfg.block_k_dq, key_major=False, device=q.device),
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *seg_strides,
+            alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *seg_strides,
             *rope_strides, *scalars, BLOCK_M=cfg.block_q_dq, BLOCK_N=cfg.block_k_dq, **common)
     return dq, dk, dv
 
@@ -666,12 +694,14 @@ class FlashAttentionFn(torch.autograd.Function):
     enters the backward as delta_i -= dlse_i (d lse_i / d s_ij = P_ij)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos, config=None):
+    def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos, config=None,
+                alibi=None):
         out, lse, stats = forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
                                   window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
-                                  config=config)
+                                  config=config, alibi=alibi)
         ctx.save_for_backward(q, k, v, out, *stats, q_ids, kv_ids, q_pos, kv_pos)
-        ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, config=config)
+        ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, config=config,
+                        alibi=alibi)
         return out, lse
 
     @staticmethod
@@ -681,7 +711,7 @@ class FlashAttentionFn(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dq, dk, dv = backward(dout, q, k, v, out, (m2, inv_l), q_ids=q_ids, kv_ids=kv_ids, dlse=dlse,
                               q_pos=q_pos, kv_pos=kv_pos, **ctx.opts)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 __all__ = ["BlockSizes", "default_block_sizes", "block_d", "forward", "backward", "FlashAttentionFn", "INTERPRETED",
