@@ -168,13 +168,14 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: 
     same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
     cu_q = jnp.asarray(cu_seqlens_q)
     cu_k = cu_q if same else jnp.asarray(cu_seqlens_k)
-    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+    concrete_q, concrete_k = validation.concrete(cu_q), validation.concrete(cu_k)  # None while traced
+    for name, cu, total, values in (("cu_seqlens_q", cu_q, q.shape[0], concrete_q),
+                                    ("cu_seqlens_k", cu_k, k.shape[0], concrete_k)):
         if not jnp.issubdtype(cu.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array, got {cu.dtype}")
-        varlen.check_cu_seqlens(name, cu, total, validation.concrete(cu))
+        varlen.check_cu_seqlens(name, cu, total, values)
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k count different sequences: {cu_q.shape} and {cu_k.shape}")
-    concrete_q, concrete_k = validation.concrete(cu_q), validation.concrete(cu_k)
     same = same or (concrete_q is not None and concrete_k is not None and (concrete_q == concrete_k).all())
     plan = varlen.layout(cu_q.astype(jnp.int32), cu_k.astype(jnp.int32), q.shape[0], k.shape[0], _JNP_VARLEN_OPS)
     rows = q.shape[0] + k.shape[0]  # the aligned layout's

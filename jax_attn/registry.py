@@ -30,9 +30,7 @@ from jax_attn.ops.stick_breaking import mosaic as stick_breaking_mosaic
 from jax_attn.ops.stick_breaking import reference as stick_breaking_reference
 from jax_attn.ops.stick_breaking import triton as stick_breaking_triton
 
-IMPLEMENTATIONS = ("triton", "mosaic", "xla")  # canonical names
 ALIASES = {"pallas_triton": "triton", "mosaic_gpu": "mosaic"}  # accepted older spellings -> canonical
-VARIANTS = ("softmax", "stick_breaking")
 
 __all__ = ["ALIASES", "Call", "Entry", "IMPLEMENTATIONS", "REGISTRY", "UnknownImplementationError", "VARIANTS",
            "canonical", "check_config", "choose", "default_implementation", "resolve"]
@@ -173,6 +171,8 @@ def _choose(variant: str, call: Call) -> str:
 # default, a line in `_choose`).
 REGISTRY = Registry(_ENTRIES, _choose, ALIASES)
 canonical, choose, resolve, check_config = REGISTRY.canonical, REGISTRY.choose, REGISTRY.resolve, REGISTRY.check_config
+VARIANTS = tuple(REGISTRY)
+IMPLEMENTATIONS = tuple(REGISTRY["softmax"])  # canonical names
 
 
 def default_implementation(spec: AttentionSpec | None = None, head_dim: int | None = None,

@@ -181,14 +181,17 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=F
     same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
     cu_q = cu_seqlens_q
     cu_k = cu_q if same else cu_seqlens_k
-    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor) or cu.dtype.is_floating_point or cu.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {getattr(cu, 'dtype', type(cu).__name__)}")
-        varlen.check_cu_seqlens(name, cu, total, cu.cpu().numpy())
+    host_q = cu_q.cpu().numpy()  # one copy of each to the host, for the checks and the comparison
+    host_k = host_q if same else cu_k.cpu().numpy()
+    varlen.check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], host_q)
+    varlen.check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], host_k)
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k count different sequences: {tuple(cu_q.shape)} and "
                          f"{tuple(cu_k.shape)}")
-    same = same or bool(torch.equal(cu_q.cpu(), cu_k.cpu()))
+    same = same or bool((host_q == host_k).all())
     plan = varlen.layout(cu_q.to(q.device, torch.int64), cu_k.to(q.device, torch.int64), q.shape[0], k.shape[0],
                          _torch_varlen_ops(q.device))
     rows = q.shape[0] + k.shape[0]  # the aligned layout's

@@ -33,8 +33,6 @@ from .ops.common.validation import segment_pair_for_kernel
 from .ops.softmax import reference as softmax_ref
 from .ops.stick_breaking import reference as stick_breaking_ref
 
-IMPLEMENTATIONS = ("triton", "eager")  # canonical names
-VARIANTS = ("softmax", "stick_breaking")
 # variant -> its Triton kernel module (relative to this package)
 TRITON_MODULES = {"softmax": ".ops.softmax.triton", "stick_breaking": ".ops.stick_breaking.triton"}
 # variant -> (its config class, its default-config function) in TRITON_MODULES[variant]
@@ -42,8 +40,7 @@ _TRITON_CONFIGS = {"softmax": ("BlockSizes", "default_block_sizes"),
                    "stick_breaking": ("StickBreakingBlockSizes", "default_stick_breaking_block_sizes")}
 
 __all__ = ["Call", "Entry", "IMPLEMENTATIONS", "REGISTRY", "TRITON_MODULES", "UnknownImplementationError", "VARIANTS",
-           "canonical", "check_config", "choose", "interpreter_requested", "resolve", "resolve_implementation",
-           "triton_module"]
+           "canonical", "check_config", "choose", "interpreter_requested", "resolve", "resolve_implementation"]
 
 
 def interpreter_requested() -> bool:
@@ -81,14 +78,6 @@ def _triton_reason(call: Call, variant: str) -> str | None:
         return ("a CPU tensor needs the Triton interpreter, but triton was imported before "
                 "TRITON_INTERPRET=1 was set")
     return None
-
-
-def triton_module(q: torch.Tensor, variant: str):
-    """Import the kernel module of `variant` (a key of TRITON_MODULES), or raise NotImplementedError
-    saying why Triton cannot serve this call."""
-    if reason := _triton_reason(Call.of(q), variant):
-        raise NotImplementedError(f"implementation='triton' cannot serve this call: {reason}")
-    return importlib.import_module(TRITON_MODULES[variant], __package__)
 
 
 def _kernels(variant: str):
@@ -153,6 +142,8 @@ def _choose(variant: str, call: Call) -> str:
 # variant -> name -> entry. Adding a backend = one entry.
 REGISTRY = Registry(_ENTRIES, _choose)
 canonical, choose, resolve, check_config = REGISTRY.canonical, REGISTRY.choose, REGISTRY.resolve, REGISTRY.check_config
+VARIANTS = tuple(REGISTRY)
+IMPLEMENTATIONS = tuple(REGISTRY["softmax"])  # canonical names
 
 
 def resolve_implementation(q: torch.Tensor, implementation=None) -> str:
