@@ -22,6 +22,8 @@ Columns:
     torch_flash      torch SDPA, SDPBackend.FLASH_ATTENTION (BHSD inputs, transposed untimed)
     torch_cudnn      torch SDPA, SDPBackend.CUDNN_ATTENTION
     torch_ref        torch_ref.flash_attention(implementation="triton")
+    alibi_triton     pallas_triton with ALiBi (the paper's slopes): its cost over pallas_triton
+    torch_ref_alibi  torch_ref with ALiBi: its cost over torch_ref
 
 Anchors that do not import (tokamax, torch) or do not take a case (mha with GQA) are "absent" rows.
 """
@@ -53,10 +55,17 @@ MHA_TUNED = dict(block_sizes=dict(block_q=128, block_k=128, block_q_dkv=64, bloc
                                   block_q_dq=128, block_kv_dq=64), num_warps=8, num_stages=3)
 
 
-def ours(implementation):
+def alibi_slopes(heads: int):
+    """The ALiBi paper's geometric slopes, 2^(-8 (h + 1) / H)."""
+    return [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
+
+
+def ours(implementation, alibi=False):
     def build(case, opts):
+        import jax.numpy as jnp
         import jax_attn
-        return lambda q, k, v: jax_attn.flash_attention(q, k, v, causal=case.causal,
+        slopes = jnp.asarray(alibi_slopes(case.H), jnp.float32) if alibi else None
+        return lambda q, k, v: jax_attn.flash_attention(q, k, v, causal=case.causal, alibi_slopes=slopes,
                                                         implementation=implementation)
     return build
 
@@ -110,12 +119,20 @@ def torch_sdpa(backend: str):
     return build
 
 
-def torch_ref_build(case, opts):
-    torch_ref, why = harness.optional_import("torch_ref")
-    if torch_ref is None:
-        raise Absent(f"torch_ref does not import: {why}")
-    impl = "eager" if opts.smoke else "triton"  # smoke: no Triton on the CPU
-    return lambda q, k, v: torch_ref.flash_attention(q, k, v, causal=case.causal, implementation=impl)
+def torch_ref_build(alibi=False):
+    def build(case, opts):
+        torch_ref, why = harness.optional_import("torch_ref")
+        if torch_ref is None:
+            raise Absent(f"torch_ref does not import: {why}")
+        impl = "eager" if opts.smoke else "triton"  # smoke: no Triton on the CPU
+        slopes = None
+        if alibi:
+            import torch
+            slopes = torch.tensor(alibi_slopes(case.H), dtype=torch.float32,
+                                  device="cpu" if opts.smoke else "cuda")
+        return lambda q, k, v: torch_ref.flash_attention(q, k, v, causal=case.causal, alibi_slopes=slopes,
+                                                         implementation=impl)
+    return build
 
 
 def smoke_note(case, opts) -> str | None:
@@ -134,7 +151,9 @@ COLUMNS = [
     Column("tokamax_triton", tokamax("triton")),
     Column("torch_flash", torch_sdpa("FLASH_ATTENTION"), framework="torch", layout="bhsd", note=smoke_note),
     Column("torch_cudnn", torch_sdpa("CUDNN_ATTENTION"), framework="torch", layout="bhsd", note=smoke_note),
-    Column("torch_ref", torch_ref_build, framework="torch", note=smoke_note),
+    Column("torch_ref", torch_ref_build(), framework="torch", note=smoke_note),
+    Column("alibi_triton", ours("pallas_triton", alibi=True)),
+    Column("torch_ref_alibi", torch_ref_build(alibi=True), framework="torch", note=smoke_note),
 ]
 
 
