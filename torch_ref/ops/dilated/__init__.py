@@ -1,0 +1,1 @@
+"""Dilated attention (LongNet): `reference` (the definition, eager PyTorch)."""
