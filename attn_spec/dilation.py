@@ -107,6 +107,11 @@ class RowMap:
     kv_heads: int = 1
     head_base: int = 0
     offset: int | None = None  # None: (head_base + h) mod rate (LongNet's per-head offset)
+    grid_heads: int | None = None  # programs per batch row (None: heads)
+
+    @property
+    def programs(self) -> int:
+        return self.heads if self.grid_heads is None else self.grid_heads
 
     def offset_of(self, h):
         return (self.head_base + h) % self.rate if self.offset is None else self.offset
@@ -128,4 +133,4 @@ def head_plan(merge: str, num_heads: int, num_branches: int, branch: int, rate: 
     if merge == "lse":
         return RowMap(rate, num_heads, num_kv_heads)
     size = num_heads // num_branches
-    return RowMap(rate, num_heads, num_kv_heads, head_base=branch * size, offset=branch % rate)
+    return RowMap(rate, num_heads, num_kv_heads, head_base=branch * size, offset=branch % rate, grid_heads=size)

@@ -135,20 +135,21 @@ def unpack(refs, spec):
     return q_info, kv_info, tables, refs
 
 
-def side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block):
+def side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block, batch_row=lambda *g: g[1]):
     """BlockSpecs and args of the optional side inputs, in the order `unpack` reads them.
 
     side = (q_info, kv_info, q_table, kv_table[, slopes]) (None where absent); q_rows / kv_rows:
-    rows per block; q_block / kv_block map the grid ids to the block index along the sequence (the
-    batch is always grid axis 1). slopes (ALiBi, [heads padded]) come whole, after the tables: the
-    first ref after them in the kernel."""
+    rows per block; q_block / kv_block map the grid ids to the block index along the sequence,
+    batch_row to the row of the per-batch inputs (default: grid axis 1, the batch; a row map
+    reads one row per batch and offset). slopes (ALiBi, [heads padded]) come whole, after the
+    tables: the first ref after them in the kernel."""
     q_info, kv_info, q_table, kv_table, *rest = side
     slopes = rest[0] if rest else None
     specs, args = [], []
     if q_info is not None:
         fields = q_info.shape[1]
-        specs += [pl.BlockSpec((None, fields, q_rows), lambda *g: (g[1], 0, q_block(*g))),
-                  pl.BlockSpec((None, fields, kv_rows), lambda *g: (g[1], 0, kv_block(*g)))]
+        specs += [pl.BlockSpec((None, fields, q_rows), lambda *g: (batch_row(*g), 0, q_block(*g))),
+                  pl.BlockSpec((None, fields, kv_rows), lambda *g: (batch_row(*g), 0, kv_block(*g)))]
         args += [q_info, kv_info]
     if q_table is not None:
         half = q_table.shape[-1]

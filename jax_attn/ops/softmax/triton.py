@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.ops.common import padding, triton_tiles as tiles
+from attn_spec.dilation import RowMap
 from attn_spec.tiles import BlockSizes, pow2_at_least
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, visible
 from jax_attn.ops.common.triton_tiles import rope_tables
@@ -74,6 +75,16 @@ class _Static:
     interpret: bool
     rope_arange: bool = False  # RoPE at positions arange: tile cos/sin by angle addition
     mosaic: mosaic_gpu.MosaicBlockSizes | None = None  # run the Mosaic GPU kernels instead
+    rows: RowMap | None = None  # read heads through a row map (a view's head slots); None: identity
+
+
+def _head_maps(st: _Static, group: int):
+    """(q head, kv head, batch row) that grid program (b, h) reads: the identity (kv head h // group
+    of GQA, batch row b), or the row map's head slots and per-(batch, offset) row. Outputs are
+    always written at the program's own head h."""
+    if st.rows is None:
+        return (lambda h: h), (lambda h: h // group), (lambda b, h: b)
+    return st.rows.q_slot, st.rows.kv_slot, st.rows.side_row
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,32 +203,36 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     inv_l_ref[...] = jnp.where(empty, 0.0, inv_l)
 
 
-def _fwd_call(st: _Static, q, k, v, side, ranges, *, differentiated: bool):
+def _fwd_call(st: _Static, q, k, v, side, ranges, *, differentiated: bool, out_dtype=None):
     """-> out, lse, m2, inv_l and, differentiated with RoPE, q rotated (for the backward)."""
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
+    q_head, kv_head, row = _head_maps(st, group)
+    programs = num_heads if st.rows is None else st.rows.programs
     bq = st.blocks.block_q
-    rb = ranges.shape[0]  # 1 (static ranges, broadcast) or batch (segment ids)
-    side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0)
+    rb = ranges.shape[0]  # 1 (static ranges, broadcast) or batch rows (segment ids)
+    side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0,
+                                                      lambda i, b, h: row(b, h))
     in_specs = [
-        pl.BlockSpec((None, None, 4), lambda i, b, h: (b if rb > 1 else 0, i, 0)),
-        pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
-        pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
+        pl.BlockSpec((None, None, 4), lambda i, b, h: (row(b, h) if rb > 1 else 0, i, 0)),
+        pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, q_head(h), 0)),
+        pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0)),
+        pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0)),
         *side_specs,
     ]
     q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
     rotated = differentiated and st.spec.rope is not None
+    out_shape = (batch, q_pad, programs, head_dim)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st),
-        grid=(q_pad // bq, batch, num_heads),  # query blocks fastest: neighbours share K/V in L2
+        grid=(q_pad // bq, batch, programs),  # query blocks fastest: neighbours share K/V in L2
         in_specs=in_specs,
         out_specs=[q_spec] + [pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] * 3
         + [q_spec] * rotated,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)]
-        + [jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32)] * 3  # lse, m2, inv_l
-        + [jax.ShapeDtypeStruct(q.shape, q.dtype)] * rotated,  # q rotated
+        out_shape=[jax.ShapeDtypeStruct(out_shape, out_dtype or q.dtype)]
+        + [jax.ShapeDtypeStruct((batch, programs, q_pad), jnp.float32)] * 3  # lse, m2, inv_l
+        + [jax.ShapeDtypeStruct(out_shape, q.dtype)] * rotated,  # q rotated
         compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps,
                                              num_stages=st.blocks.num_stages),
         interpret=st.interpret,
@@ -345,28 +360,40 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
+    q_head, kv_head, row = _head_maps(st, group)
     blocks = st.blocks
     params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
 
-    # dK/dV: query-side arrays viewed per kv head, [B, S, Hkv, G, D] and [B, Hkv, G, S].
+    # dK/dV: query-side arrays viewed per kv head, [B, S, Hkv, G, D] and [B, Hkv, G, S]. Through a
+    # row map the offset may differ within a GQA group: one program per query head instead, each
+    # writing its own dK/dV (the caller sums them over the group).
     bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
     rb = dkdv_ranges.shape[0]
-    q_group_spec = pl.BlockSpec((None, q_pad, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
-    row_group_spec = pl.BlockSpec((None, None, group, q_pad), lambda j, b, h: (b, h, 0, 0))
-    kv_block_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
-    side_specs, side_args = tiles.side_specs_and_args(side, q_pad, lambda *_: 0, bk, lambda j, b, h: j)
-    in_specs = [pl.BlockSpec((None, None, 4), lambda j, b, h: (b if rb > 1 else 0, j, 0)),
-                q_group_spec, kv_block_spec, kv_block_spec, q_group_spec,
+    if st.rows is None:
+        programs, per_program = num_kv_heads, group
+        q_group, kv_in = (lambda h: h), (lambda h: h)
+    else:
+        programs, per_program = st.rows.programs, 1
+        q_group, kv_in = q_head, kv_head
+    q_group_spec = pl.BlockSpec((None, q_pad, None, per_program, head_dim), lambda j, b, h: (b, 0, q_group(h), 0, 0))
+    row_group_spec = pl.BlockSpec((None, None, per_program, q_pad), lambda j, b, h: (b, h, 0, 0))
+    kv_in_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, kv_in(h), 0))
+    kv_out_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
+    side_specs, side_args = tiles.side_specs_and_args(side, q_pad, lambda *_: 0, bk, lambda j, b, h: j,
+                                                      lambda j, b, h: row(b, h))
+    in_specs = [pl.BlockSpec((None, None, 4), lambda j, b, h: (row(b, h) if rb > 1 else 0, j, 0)),
+                q_group_spec, kv_in_spec, kv_in_spec, q_group_spec,
                 row_group_spec, row_group_spec, row_group_spec, *side_specs]
-    as_groups = lambda x: x.reshape(batch, q_pad, num_kv_heads, group, head_dim)
-    rows_as_groups = lambda x: x.reshape(batch, num_kv_heads, group, q_pad)
+    as_groups = lambda x: x.reshape(batch, q_pad, num_heads // per_program, per_program, head_dim)
+    rows_as_groups = lambda x: x.reshape(batch, programs, per_program, q_pad)
     rotated = st.spec.rope is not None
+    kv_shape = (batch, kv_pad, programs, head_dim)
     dk, dv, *k_rot = pl.pallas_call(
         functools.partial(_dkdv_kernel, st=st),
-        grid=(kv_pad // bk, batch, num_kv_heads),
+        grid=(kv_pad // bk, batch, programs),
         in_specs=in_specs,
-        out_specs=[kv_block_spec] * (2 + rotated),
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        out_specs=[kv_out_spec] * (2 + rotated),
+        out_shape=[jax.ShapeDtypeStruct(kv_shape, k.dtype), jax.ShapeDtypeStruct(kv_shape, v.dtype)]
         + [jax.ShapeDtypeStruct(k.shape, k.dtype)] * rotated,  # k rotated, for the dQ kernel
         compiler_params=params, interpret=st.interpret, name="flash_bwd_dkdv",
     )(dkdv_ranges, as_groups(q), k, v, as_groups(do), rows_as_groups(m2),
@@ -375,19 +402,22 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
     # dQ: same tiling as the forward.
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
     rb = dq_ranges.shape[0]
-    q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-    kv_full_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    programs = num_heads if st.rows is None else st.rows.programs
+    q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, q_head(h), 0))
+    dq_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
+    kv_full_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-    side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0)
-    in_specs = [pl.BlockSpec((None, None, 4), lambda i, b, h: (b if rb > 1 else 0, i, 0)),
+    side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0,
+                                                      lambda i, b, h: row(b, h))
+    in_specs = [pl.BlockSpec((None, None, 4), lambda i, b, h: (row(b, h) if rb > 1 else 0, i, 0)),
                 q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec,
                 row_spec, *side_specs]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=st),
-        grid=(q_pad // bq, batch, num_heads),
+        grid=(q_pad // bq, batch, programs),
         in_specs=in_specs,
-        out_specs=q_block_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=dq_spec,
+        out_shape=jax.ShapeDtypeStruct((batch, q_pad, programs, head_dim), q.dtype),
         compiler_params=params, interpret=st.interpret, name="flash_bwd_dq",
     )(dq_ranges, q, *k_rot or [k], v, do, m2, inv_l, delta, *side_args)
     return dq, dk, dv
@@ -514,3 +544,65 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
                       ranges(blocks.block_q_dq, blocks.block_k_dq, False),
                       ranges(blocks.block_q_dkv, blocks.block_k_dkv, True))
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
+
+
+# ----------------------------------------------------------------------------------------------
+# Row-mapped calls: the engine over a view whose heads are slots (dilated attention's branches,
+# `attn_spec.dilation`), forward and backward as separate steps, for a caller that merges the
+# statistics of several calls before it differentiates them.
+# ----------------------------------------------------------------------------------------------
+
+
+def _mapped_setup(q, k, v, seg, spec: AttentionSpec, rows: RowMap, blocks, interpret):
+    """Pads the view to the tile grid -> (static, padded q, k, v, side inputs, ranges by kernel)."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    length, head_dim = q.shape[1], q.shape[3]
+    head_pad = padded_head_dim(spec, head_dim)
+    blocks = (blocks or default_block_sizes(head_pad, interpret, q.dtype)).fitted(length, length)
+    tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv, blocks.block_k_dkv,
+               blocks.block_q_dq, blocks.block_k_dq)
+    padded = pl.cdiv(length, tile) * tile
+    pad = lambda x: padding.pad_axis(padding.pad_axis(x, 3, head_pad), 1, padded)
+    side = [None] * 4
+    if spec.has_segments:
+        seg = padding.pad_axis(seg.astype(jnp.int32), 1, padded, mode="edge")
+        side[:2] = (_side_info(tiles.info_fields(spec), padded, seg),) * 2
+    st = _Static(spec, blocks, length, length, interpret, rows=rows)
+
+    def ranges(bq, bk, key_major):
+        return block_ranges(spec, length, length, bq, bk, padded // bq, padded // bk, seg, seg,
+                            key_major=key_major)
+
+    plans = (ranges(blocks.block_q, blocks.block_k, False), ranges(blocks.block_q_dq, blocks.block_k_dq, False),
+             ranges(blocks.block_q_dkv, blocks.block_k_dkv, True))
+    return st, pad(q), pad(k), pad(v), tuple(side), plans
+
+
+def mapped_forward(q, k, v, seg, spec: AttentionSpec, rows: RowMap, *, blocks: BlockSizes | None = None,
+                   interpret: bool | None = None, out_dtype=None):
+    """Attention over a view read through `rows`: q [B', L, rate * H, D], k/v [B', L, rate * Hkv, D],
+    segment ids seg [B' * rate, L] (row `rows.side_row(b, h)`) when spec.has_segments.
+    -> out [B', L, P, D] (out_dtype, default q's), m2, inv_l [B', P, L] fp32 (P = rows.programs):
+    the online softmax's row maximum (log2 units) and 1 / row sum; a row with no visible key has
+    m2 = +inf, inv_l = 0."""
+    st, qp, kp, vp, side, (fwd, _, _) = _mapped_setup(q, k, v, seg, spec, rows, blocks, interpret)
+    out, _, m2, inv_l = _fwd_call(st, qp, kp, vp, side, fwd, differentiated=False, out_dtype=out_dtype)
+    length, head_dim = q.shape[1], q.shape[3]
+    return out[:, :length, :, :head_dim], m2[:, :, :length], inv_l[:, :, :length]
+
+
+def mapped_backward(q, k, v, seg, spec: AttentionSpec, rows: RowMap, do, m2, inv_l, delta, *,
+                    blocks: BlockSizes | None = None, interpret: bool | None = None):
+    """The backward of `mapped_forward` at given row statistics (m2, inv_l, delta [B', P, L] fp32,
+    P = exp2(s2 - m2) * inv_l; delta = rowsum(dO * O) - dlse), dO [B', L, rate * H, D] read through
+    `rows` like q. -> dq, dk, dv [B', L, P, D], each program's own (dk, dv per query head)."""
+    st, qp, kp, vp, side, (_, dq_plan, dkdv_plan) = _mapped_setup(q, k, v, seg, spec, rows, blocks, interpret)
+    padded = qp.shape[1]
+    dop = padding.pad_axis(padding.pad_axis(do.astype(q.dtype), 3, qp.shape[3]), 1, padded)
+    stat = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, padded - x.shape[2])), constant_values=fill)
+    # padded rows: P = exp2(s2 - inf) * 0 = 0
+    dq, dk, dv = _bwd_call(st, qp, kp, vp, side, dq_plan, dkdv_plan, dop, stat(m2, jnp.inf),
+                           stat(inv_l, 0.0), stat(delta, 0.0))
+    length, head_dim = q.shape[1], q.shape[3]
+    return tuple(x[:, :length, :, :head_dim] for x in (dq, dk, dv))
