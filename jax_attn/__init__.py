@@ -4,7 +4,7 @@ Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD). Implementations
 "mosaic", "xla") and the rule for implementation=None live in `jax_attn.registry`; tile configs
 (`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`) are passed as `config=`.
 """
-from jax_attn.api import flash_attention, flash_attention_varlen, stick_breaking_attention
+from jax_attn.api import dilated_attention, flash_attention, flash_attention_varlen, stick_breaking_attention
 from jax_attn.device import DeviceInfo, device_info, recommended_dtype
 from jax_attn.nn.layers import EncoderBlock, MultiHeadSelfAttention, attention_fn, make_attention_fn
 from jax_attn.nn.positions import sinusoidal_positions
@@ -18,7 +18,7 @@ from jax_attn.ops.stick_breaking.triton import StickBreakingBlockSizes, default_
 from jax_attn.registry import IMPLEMENTATIONS, UnknownImplementationError, default_implementation
 
 __all__ = [
-    "AttentionSpec", "BlockSizes", "DeviceInfo", "IMPLEMENTATIONS", "attention_reference",
+    "AttentionSpec", "BlockSizes", "DeviceInfo", "dilated_attention", "IMPLEMENTATIONS", "attention_reference",
     "default_block_sizes", "default_implementation", "device_info", "flash_attention", "flash_attention_varlen",
     "MosaicBlockSizes", "default_mosaic_block_sizes", "recommended_dtype", "Rope", "apply_rope",
     "EncoderBlock", "MultiHeadSelfAttention", "attention_fn", "make_attention_fn", "sinusoidal_positions",

@@ -5,7 +5,7 @@ import types
 
 import jax.numpy as jnp
 
-from attn_spec import varlen
+from attn_spec import dilation, varlen
 from jax_attn import registry
 from jax_attn.ops.common import validation
 from jax_attn.ops.common.rope import Rope
@@ -136,6 +136,52 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
     config = registry.check_config(entry, config, call)
     out, rem = entry.fn(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos, config=config)
     return (out, rem) if return_remainder else out
+
+
+def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool = False, merge: str = "lse",
+                      scale: float | None = None, return_lse: bool = False, implementation: str | None = None,
+                      config=None):
+    """Dilated attention (LongNet, arXiv 2307.02486).
+
+    Branch k cuts the sequence into segments of segment_lengths[k] (the last one may be partial)
+    and keeps rows `offset + m * dilation_rates[k]` of each; the kept rows of a segment attend
+    densely among themselves (causal inside the dilated segment when causal=True).
+
+    Args:
+      q: [B, S, H, D]; k, v: [B, S, Hkv, D] (same S), H % Hkv == 0; D <= 256; any S (segments
+        need not divide it or each other, and may be longer than it). float32, float16,
+        bfloat16 (float64 with "xla" only, under jax.enable_x64).
+      segment_lengths, dilation_rates: sequences of positive ints of the same count, each rate
+        at most its segment length.
+      merge: "lse" (LongNet Eq. 10): every head in every branch, head h with offset h mod r_k;
+        row i's output is sum_k exp(lse_ik - logsumexp_k lse_ik) o_ik over the branches that
+        keep it (differentiable through the weights). "head_groups": the heads split into K
+        equal groups (H % K == 0), group k runs branch k alone with offset k mod r_k. A row no
+        branch keeps returns 0 (lse -inf), never NaN.
+      scale: score scale, default D ** -0.5.
+      return_lse: also return lse [B, H, S] float32 (natural log, the merged statistic).
+      implementation: None ("triton" where Pallas Triton runs, else "xla"), "triton" (every
+        branch one call of the flash engine reading the dilated rows in place through a row
+        map; merged on the row statistics) or "xla" (plain jnp: gather, dense attention per
+        segment, merge). Errors as for `flash_attention`.
+      config: a `BlockSizes` for "triton" (each branch's tiles); None: its default.
+
+    Returns: out [B, S, H, D] in q.dtype, or (out, lse).
+    """
+    validation.check_arrays(q, k, v)
+    seq_len, num_heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    if k.shape[1] != seq_len:
+        raise ValueError(f"dilated attention is self-attention: q and k need the same length, got "
+                         f"{q.shape=} and {k.shape=}")
+    lengths, rates = dilation.check_config(segment_lengths, dilation_rates, merge, num_heads)
+    scale = validation.check_positive("scale", scale)
+    spec = AttentionSpec(scale=head_dim ** -0.5 if scale is None else scale, causal=bool(causal),
+                         precision=validation.fp32_precision(q.dtype))
+    call = registry.Call(spec, head_dim, q.dtype)
+    entry = registry.resolve("dilated", implementation, call)
+    config = registry.check_config(entry, config, call)
+    out, lse = entry.fn(q, k, v, spec, segment_lengths=lengths, dilation_rates=rates, merge=merge, config=config)
+    return (out, lse) if return_lse else out
 
 
 _JNP_VARLEN_OPS = types.SimpleNamespace(arange=jnp.arange, maximum=jnp.maximum, cumsum=jnp.cumsum,

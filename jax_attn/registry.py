@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from attn_spec.registry import Entry, Registry, UnknownImplementationError
 from jax_attn.device import pallas_triton_unsupported_reason
 from jax_attn.ops.common.spec import AttentionSpec, padded_head_dim
+from jax_attn.ops.dilated import reference as dilated_reference
+from jax_attn.ops.dilated import triton as dilated_triton
 from jax_attn.ops.softmax import mosaic as softmax_mosaic
 from jax_attn.ops.softmax import reference as softmax_reference
 from jax_attn.ops.softmax import triton as softmax_triton
@@ -127,6 +129,18 @@ def _stick_breaking_xla(q, k, v, decay, spec, *, pos=None, kv_pos=None, config=N
     return stick_breaking_reference.stick_breaking_reference(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos)
 
 
+def _dilated_triton(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None):
+    return dilated_triton.dilated_attention_triton(q, k, v, segment_lengths=segment_lengths,
+                                                   dilation_rates=dilation_rates, causal=spec.causal, merge=merge,
+                                                   scale=spec.scale, precision=spec.precision, blocks=config)
+
+
+def _dilated_xla(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None):
+    return dilated_reference.dilated_reference(q, k, v, segment_lengths=segment_lengths,
+                                               dilation_rates=dilation_rates, causal=spec.causal, merge=merge,
+                                               scale=spec.scale)
+
+
 def _softmax_triton_default(call: Call):
     return softmax_triton.default_block_sizes(call.head_pad, call.interpret, call.dtype,
                                               rope=call.spec.rope is not None, rope_positions=call.positions)
@@ -149,6 +163,10 @@ _ENTRIES = (
           lambda: stick_breaking_triton.StickBreakingBlockSizes, _stick_breaking_default,
           _stick_breaking_mosaic_config_reason),
     Entry("stick_breaking", "xla", _stick_breaking_xla, lambda call: None),
+    # each branch one call of the softmax engine through a row map (its Triton kernels)
+    Entry("dilated", "triton", _dilated_triton, _triton_reason, lambda: softmax_triton.BlockSizes,
+          _softmax_triton_default),
+    Entry("dilated", "xla", _dilated_xla, lambda call: None),
 )
 def _choose(variant: str, call: Call) -> str:
     """The rule for implementation=None.
@@ -158,7 +176,8 @@ def _choose(variant: str, call: Call) -> str:
     "triton" (compiled on NVIDIA sm80+, through the interpreter on CPU).
     Stick-breaking: "xla" where Pallas Triton cannot run, else "triton", on Hopper too: the Mosaic
     forward walks every tile, while the Triton forward ends a row block's walk where its sticks are
-    spent (see `jax_attn.stick_breaking_attention`).
+    spent (see `jax_attn.stick_breaking_attention`). Dilated: "xla" where Pallas Triton cannot
+    run, else "triton" (its only kernels).
     """
     if pallas_triton_unsupported_reason() is not None:
         return "xla"

@@ -34,6 +34,7 @@ class _Static:
     causal: bool
     merge: str
     scale: float
+    precision: jax.lax.Precision
     blocks: BlockSizes | None
     interpret: bool | None
 
@@ -107,7 +108,8 @@ def _plans(st: _Static, q, k) -> tuple[_Plan, ...]:
     out = []
     for i, br in enumerate(branches(st.segment_lengths, st.dilation_rates, seq_len)):
         rows = head_plan(st.merge, num_heads, len(st.segment_lengths), i, br.rate, num_kv_heads)
-        spec = AttentionSpec(scale=st.scale, causal=st.causal, has_segments=br.padded and not st.causal)
+        spec = AttentionSpec(scale=st.scale, causal=st.causal, has_segments=br.padded and not st.causal,
+                             precision=st.precision)
         out.append(_Plan(br, rows, spec))
     return tuple(out)
 
@@ -175,7 +177,9 @@ _dilated.defvjp(_dilated_fwd, _dilated_bwd)
 
 
 def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: str,
-                             scale: float, blocks: BlockSizes | None = None, interpret: bool | None = None):
+                             scale: float, precision=jax.lax.Precision.DEFAULT, blocks: BlockSizes | None = None,
+                             interpret: bool | None = None):
     """q [B, S, H, D], k/v [B, S, Hkv, D] (validated) -> (out [B, S, H, D], lse [B, H, S])."""
-    st = _Static(tuple(segment_lengths), tuple(dilation_rates), causal, merge, float(scale), blocks, interpret)
+    st = _Static(tuple(segment_lengths), tuple(dilation_rates), causal, merge, float(scale), precision, blocks,
+                 interpret)
     return _dilated(st, q, k, v)
