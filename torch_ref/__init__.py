@@ -2,7 +2,8 @@
 
 `flash_attention` (Triton kernels or eager PyTorch, see its docstring), `flash_attention_reference`
 (the eager reference returning (out, lse)), `stick_breaking_attention` / `stick_breaking_reference`
-(stick-breaking attention, "ExpoSB"; torch_ref.ops.stick_breaking), `Rope` (rotary position
+(stick-breaking attention, "ExpoSB"; torch_ref.ops.stick_breaking), `dilated_attention` (LongNet's
+dilated attention on the softmax kernels; torch_ref.ops.dilated), `Rope` (rotary position
 embedding config, fused into the kernels; `torch_ref.ops.common.rope.apply_rope` is the plain
 rotation) and `BlockSizes` / `StickBreakingBlockSizes` (the kernels' tile configurations, with the
 field names of jax_attn's; `config=` of the public functions), `default_block_sizes` /
@@ -16,8 +17,8 @@ positions).
 Triton is imported lazily: `import torch_ref` does not import it, so TRITON_INTERPRET=1 may still
 be set afterwards; the first Triton call (or touching one of the config names above) imports it.
 """
-from .api import (flash_attention, flash_attention_reference, flash_attention_varlen, stick_breaking_attention,
-                  stick_breaking_reference)
+from .api import (dilated_attention, flash_attention, flash_attention_reference, flash_attention_varlen,
+                  stick_breaking_attention, stick_breaking_reference)
 from .nn.layers import EncoderBlock, MultiHeadSelfAttention
 from .nn.positions import sinusoidal_positions
 from .ops.common.rope import Rope, apply_rope
@@ -27,7 +28,7 @@ __all__ = ["flash_attention", "flash_attention_reference", "flash_attention_varl
            "BlockSizes", "default_block_sizes",
            "IMPLEMENTATIONS", "resolve_implementation", "UnknownImplementationError", "EncoderBlock",
            "MultiHeadSelfAttention", "sinusoidal_positions", "stick_breaking_attention", "stick_breaking_reference",
-           "StickBreakingBlockSizes", "default_stick_breaking_block_sizes"]
+           "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "dilated_attention"]
 
 
 def __getattr__(name):

@@ -5,6 +5,7 @@
                              (torch_ref.ops.softmax: reference.py, triton.py)
   stick-breaking ("ExpoSB"): `stick_breaking_attention`, `stick_breaking_reference`
                              (torch_ref.ops.stick_breaking: reference.py, triton.py)
+  dilated (LongNet):         `dilated_attention` (torch_ref.ops.dilated: reference.py, triton.py)
 
 Triton is imported lazily (only when the Triton path runs), so the choice of interpreter
 (`TRITON_INTERPRET=1`) can still be made after `import torch_ref`.
@@ -18,12 +19,13 @@ import torch
 from attn_spec import varlen
 
 from . import registry
-from .ops.common.validation import (validate, validate_alibi, validate_offsets, validate_rope,
+from .ops.common.validation import (validate, validate_alibi, validate_dilated, validate_offsets, validate_rope,
                                     validate_stick_breaking)
 from .ops.softmax import reference as softmax_ref
 from .ops.stick_breaking import reference as stick_breaking_ref
 
-__all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_attention", "stick_breaking_reference"]
+__all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_attention", "stick_breaking_reference",
+           "dilated_attention"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,6 +155,49 @@ def stick_breaking_reference(q, k, v, *, scale=None, decay=0.0, rope=None, posit
     """
     scale, decay, q_pos, kv_pos = validate_stick_breaking(q, k, v, scale, decay, rope, positions)
     return stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dilated attention (LongNet)
+# ----------------------------------------------------------------------------------------------
+def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal=False, merge="lse", scale=None,
+                      return_lse=False, implementation=None, config=None):
+    """Dilated attention (LongNet, arXiv 2307.02486; docs/design/dilated.md), self-attention.
+
+    Branch k cuts the sequence into segments of `segment_lengths[k]` (the last may be partial; a
+    segment longer than the sequence is cut to it) and keeps rows `offset + m * dilation_rates[k]`
+    of each; the kept rows of a segment attend densely among themselves.
+
+    Args:
+      q: `[B, S, Hq, D]`; k, v: `[B, S, Hkv, D]` (the same S), Hq % Hkv == 0 (query head h reads kv
+        head h // (Hq // Hkv)). D in 1..256, any S. dtype float16, bfloat16 or float32 (float64
+        with implementation="eager" only); output in the input dtype.
+      segment_lengths, dilation_rates: sequences of positive ints, one per branch, each rate at
+        most its segment length.
+      causal: kept row m sees kept rows m' <= m of its dilated segment.
+      merge: "lse" (LongNet Eq. 10): every head runs every branch with offset h mod r_k; row i's
+        output is sum_k exp(lse_ik - logsumexp_k' lse_ik') o_ik over the branches that keep it.
+        "head_groups": the heads split into len(segment_lengths) equal groups (Hq must be a
+        multiple of the branch count), group k runs branch k alone with offset k mod r_k.
+        A row no branch keeps gets out 0, lse -inf and zero gradients.
+      scale: score multiplier, default D ** -0.5.
+      return_lse: also return lse `[B, Hq, S]` (the merged log-sum-exp; float32, float64 for
+        float64 eager); differentiable.
+      implementation: None, "triton" or "eager", with the rule of `torch_ref.flash_attention`:
+        "triton" runs each branch through the softmax kernels over a slot view of q, k, v (a
+        free reshape when S is a multiple of the segment and the segment of the rate) and merges
+        the compact results; "eager" is the plain reference (torch_ref.ops.dilated.reference).
+      config: for "triton", a `torch_ref.BlockSizes` (the softmax kernels' tiles); "eager" takes none.
+
+    Returns: out `[B, S, Hq, D]`, or (out, lse) when return_lse.
+    """
+    scale, lengths, rates = validate_dilated(q, k, v, causal, scale, segment_lengths, dilation_rates, merge)
+    call = registry.Call.of(q)
+    entry = registry.resolve("dilated", implementation, call)
+    config = registry.check_config(entry, config, call)
+    out, lse = entry.fn(q, k, v, segment_lengths=lengths, dilation_rates=rates, causal=causal, merge=merge,
+                        scale=scale, config=config)
+    return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,14 +30,17 @@ import torch
 from attn_spec.registry import Entry, Registry, UnknownImplementationError
 
 from .ops.common.validation import segment_pair_for_kernel
+from .ops.dilated import reference as dilated_ref
 from .ops.softmax import reference as softmax_ref
 from .ops.stick_breaking import reference as stick_breaking_ref
 
 # variant -> its Triton kernel module (relative to this package)
-TRITON_MODULES = {"softmax": ".ops.softmax.triton", "stick_breaking": ".ops.stick_breaking.triton"}
+TRITON_MODULES = {"softmax": ".ops.softmax.triton", "stick_breaking": ".ops.stick_breaking.triton",
+                  "dilated": ".ops.dilated.triton"}
 # variant -> (its config class, its default-config function) in TRITON_MODULES[variant]
 _TRITON_CONFIGS = {"softmax": ("BlockSizes", "default_block_sizes"),
-                   "stick_breaking": ("StickBreakingBlockSizes", "default_stick_breaking_block_sizes")}
+                   "stick_breaking": ("StickBreakingBlockSizes", "default_stick_breaking_block_sizes"),
+                   "dilated": ("BlockSizes", "default_block_sizes")}  # the softmax engine's tiles
 
 __all__ = ["Call", "Entry", "IMPLEMENTATIONS", "REGISTRY", "TRITON_MODULES", "UnknownImplementationError", "VARIANTS",
            "canonical", "check_config", "choose", "interpreter_requested", "resolve", "resolve_implementation"]
@@ -120,6 +123,17 @@ def _stick_breaking_triton(q, k, v, *, scale, decay, rope, q_pos, kv_pos, config
                                                            config)
 
 
+def _dilated_eager(q, k, v, *, segment_lengths, dilation_rates, causal, merge, scale, config=None):
+    return dilated_ref.attention(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                                 causal=causal, merge=merge, scale=scale)
+
+
+def _dilated_triton(q, k, v, *, segment_lengths, dilation_rates, causal, merge, scale, config=None):
+    return _kernels("dilated").dilated_attention_triton(q, k, v, segment_lengths=segment_lengths,
+                                                        dilation_rates=dilation_rates, causal=causal, merge=merge,
+                                                        scale=scale, config=config)
+
+
 def _triton_entry(variant: str, fn: Callable) -> Entry:
     return Entry(variant, "triton", fn, lambda call: _triton_reason(call, variant),
                  lambda: _triton_config_type(variant), lambda call: _triton_default_config(variant, call))
@@ -130,6 +144,8 @@ _ENTRIES = (
     Entry("softmax", "eager", _softmax_eager, lambda call: None),
     _triton_entry("stick_breaking", _stick_breaking_triton),
     Entry("stick_breaking", "eager", _stick_breaking_eager, lambda call: None),
+    _triton_entry("dilated", _dilated_triton),
+    Entry("dilated", "eager", _dilated_eager, lambda call: None),
 )
 
 

@@ -2,7 +2,7 @@
 
 `validate` checks q, k, v and the softmax options (causal, scale, segment ids, window, softcap) and
 normalises them; `validate_rope` checks rope / positions; `validate_stick_breaking` (with
-`validate_decay`) the stick-breaking arguments. `segment_pair_for_kernel` gives a pair of id
+`validate_decay`) the stick-breaking arguments; `validate_dilated` the dilated ones. `segment_pair_for_kernel` gives a pair of id
 tensors one integer dtype for the Triton kernels. Errors name the argument and the value.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import numbers
 
 import torch
 
+from attn_spec.dilation import check_config as check_dilated_config
 from attn_spec.rope import Rope
 from attn_spec.visit import reach
 
@@ -19,7 +20,7 @@ MAX_HEAD_DIM = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 __all__ = ["MAX_HEAD_DIM", "FLOAT_DTYPES", "is_int", "is_real", "check_ids", "validate", "validate_rope",
-           "segment_pair_for_kernel", "validate_decay", "validate_stick_breaking"]
+           "segment_pair_for_kernel", "validate_decay", "validate_stick_breaking", "validate_dilated"]
 
 
 def is_int(x) -> bool:
@@ -208,3 +209,15 @@ def validate_stick_breaking(q, k, v, scale, decay, rope, positions):
     q_pos, kv_pos = validate_rope(q, k, rope, positions)
     decay = validate_decay(decay, q)
     return scale, decay, q_pos, kv_pos
+
+
+def validate_dilated(q, k, v, causal, scale, segment_lengths, dilation_rates, merge):
+    """-> (scale, segment_lengths, dilation_rates) as int tuples. The tensor checks are
+    flash_attention's (shapes, dtypes, devices, heads, head dim, causal, scale), plus Sq == Sk; the
+    configuration's are `attn_spec.dilation.check_config`'s."""
+    scale = validate(q, k, v, causal, scale, None, None, None)[0]
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"dilated attention is self-attention: q and k/v need the same sequence length, got "
+                         f"Sq={q.shape[1]} (q {list(q.shape)}), Sk={k.shape[1]} (k {list(k.shape)})")
+    lengths, rates = check_dilated_config(segment_lengths, dilation_rates, merge, q.shape[2])
+    return scale, lengths, rates

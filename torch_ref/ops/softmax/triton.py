@@ -24,6 +24,16 @@ RoPE (constexpr ROPE, ROPE_INTERLEAVED; see "RoPE helpers" in `triton_tiles`): q
 registers right after their load, in every kernel; v is not rotated. The RoPE branches are
 compile-time: with ROPE=False they add only unused arguments.
 
+Row map (constexprs RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET; `attn_spec.dilation.RowMap`,
+docs/design/dilated.md "The slot view"): dilated attention runs the kernels over a slot view
+`x.reshape(B', rows, RATE * heads, D)`. Grid head h is global head g = HEAD_BASE + h with offset
+o = g % RATE (or FIXED_OFFSET >= 0); it reads q / dO at head slot o * HEADS + g, k / v at slot
+o * KV_HEADS + g // GROUP, segment-id row b * RATE + o, and writes out / lse / stats / dq compact at
+head h. The identity (RATE 1, HEAD_BASE 0, the defaults) is ordinary attention: `_row_map` then
+returns (h, h // GROUP, b), the very values the kernels used before the map existed, and nothing
+else is emitted. With per-head offsets inside a GQA group (DKV_PER_QHEAD) the dK/dV kernel runs
+one program per query head and writes dk, dv per query head; the caller sums each group.
+
 Importing this module imports triton: the interpreter (`TRITON_INTERPRET=1`) must be chosen in
 the environment before that happens.
 """
@@ -34,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_spec.dilation import RowMap
 from attn_spec.tiles import BlockSizes
 
 from ..common.triton_tiles import (INTERPRETED, block_d, device_ctx, load_2d, load_own, load_rotated,
@@ -146,6 +157,46 @@ def _visible(qi, kj, Sq, Sk, qs, ks, left, right, POSITIONAL: tl.constexpr, IS_C
 
 
 @triton.jit
+def _row_map(h, b, GROUP, RATE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_BASE: tl.constexpr,
+             FIXED_OFFSET: tl.constexpr):
+    """(q head slot, kv head slot, segment-id row) of grid head h in batch row b (see the module
+    docstring). The identity map returns (h, h // GROUP, b) and emits nothing more."""
+    if RATE == 1 and HEAD_BASE == 0:
+        hq = h
+        hk = h // GROUP
+        bs = b
+    else:
+        g = HEAD_BASE + h
+        if FIXED_OFFSET >= 0:
+            o = FIXED_OFFSET
+        else:
+            o = g % RATE
+        hq = o * HEADS + g
+        hk = o * KV_HEADS + g // GROUP
+        bs = b * RATE + o
+    return hq, hk, bs
+
+
+@triton.jit
+def _kv_row_map(hk, b, GROUP, RATE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_BASE: tl.constexpr,
+                FIXED_OFFSET: tl.constexpr):
+    """(kv head slot, segment-id row) of the dK/dV kernel's grid kv head hk when its whole GQA group
+    shares one offset (the host checks that); the identity returns (hk, b)."""
+    if RATE == 1 and HEAD_BASE == 0:
+        hk_slot = hk
+        bs = b
+    else:
+        g0 = HEAD_BASE + hk * GROUP  # the group's first global q head
+        if FIXED_OFFSET >= 0:
+            o = FIXED_OFFSET
+        else:
+            o = g0 % RATE
+        hk_slot = o * KV_HEADS + HEAD_BASE // GROUP + hk
+        bs = b * RATE + o
+    return hk_slot, bs
+
+
+@triton.jit
 def _visited(RANGES, block):
     """(lo, plain_lo, plain_hi, hi) of `block` in the visit plan (`attn_spec.visit.block_table`)."""
     row = RANGES + block * 4
@@ -207,13 +258,17 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                RATE: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
+                HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1):
     """grid (cdiv(Sq, BLOCK_M), Hq, B). Writes O [B, Sq, Hq, D]; LSE, M2, INV_L [B, Hq, Sq].
-    With ROPE: THETA [D/2] fp32, QPOS [B, Sq], KPOS [B, Sk] integer positions."""
+    With ROPE: THETA [D/2] fp32, QPOS [B, Sq], KPOS [B, Sk] integer positions. With a row map, Hq
+    is the grid's head count and Q, K, V are slot views (the module docstring)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    hk = (h // GROUP).to(tl.int64)
+    hq, hk, bs = _row_map(h, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
+    hk = hk.to(tl.int64)
     slope2 = 0.0  # ALiBi slope of this head, times log2(e)
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + h)
@@ -228,7 +283,7 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
 
-    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
+    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + hq * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
                                           ROPE_INTERLEAVED)
     kp_base = KPOS
@@ -236,10 +291,10 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
         kp_base = KPOS + b * skpb
     qs = 0
     if HAS_SEGMENTS:
-        qs = tl.load(QSEG + b * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
+        qs = tl.load(QSEG + bs * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    ks_base = KSEG + b * sksb
+    ks_base = KSEG + bs * sksb
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -361,13 +416,27 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-                     ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                     ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                     RATE: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
+                     HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1,
+                     DKV_PER_QHEAD: tl.constexpr = False):
     """grid (cdiv(Sk, BLOCK_N), Hkv, B). dK, dV of one key tile summed over the GQA group
     in registers, in a fixed order: deterministic, no atomics. With ROPE the group's q heads are
-    rotated by the q positions of the batch row, and dK is rotated back (R^T) before the store."""
+    rotated by the q positions of the batch row, and dK is rotated back (R^T) before the store.
+    With a row map: grid (cdiv(Sk, BLOCK_N), grid kv heads, B), DK / DV compact per grid kv head;
+    DKV_PER_QHEAD: grid (cdiv(Sk, BLOCK_N), grid q heads, B), one q head per program, DK / DV
+    compact per q head (its kv head read through the map)."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    if DKV_PER_QHEAD:
+        hq0 = tl.program_id(1)
+        _, hk_slot, bs = _row_map(hq0, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
+        hk_slot = hk_slot.to(tl.int64)
+        n_heads = 1
+    else:
+        hk_slot, bs = _kv_row_map(hk, b, GROUP, RATE, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
+        n_heads = GROUP
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
     HALF: tl.constexpr = HEAD_DIM // 2
     CHECK_H: tl.constexpr = BLOCK_H != HALF
@@ -379,25 +448,26 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
     n_ok = offs_n < Sk
     d_ok = offs_d < HEAD_DIM
 
-    k, k2, offs_h, h_ok, theta = load_own(K + b * skb + hk * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps,
+    k, k2, offs_h, h_ok, theta = load_own(K + b * skb + hk_slot * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps,
                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
                                           ROPE_INTERLEAVED, True)
     qp_base = QPOS
     if ROPE:
         qp_base = QPOS + b * sqpb
-    v = load_2d(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True, CHECK_D)
+    v = load_2d(V + b * svb + hk_slot * svh + offs_n[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True,
+                CHECK_D)
     ks = 0
     if HAS_SEGMENTS:
-        ks = tl.load(KSEG + b * sksb + offs_n * skss, mask=n_ok, other=0)[:, None]
-    qs_base = QSEG + b * sqsb
+        ks = tl.load(KSEG + bs * sksb + offs_n * skss, mask=n_ok, other=0)[:, None]
+    qs_base = QSEG + bs * sqsb
     kT = k  # placeholders unless _FWD_SCORES
     kT2 = k2
     if _FWD_SCORES:  # the key tile as _fwd_inner loads it
         if ROPE:
-            kT, kT2 = load_rotated(K + b * skb + hk * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps, theta,
+            kT, kT2 = load_rotated(K + b * skb + hk_slot * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps, theta,
                                    offs_h, h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, True)
         else:
-            kT = load_2d(K + b * skb + hk * skh + offs_d[:, None] * skd + offs_n[None, :] * sks, d_ok, n_ok,
+            kT = load_2d(K + b * skb + hk_slot * skh + offs_d[:, None] * skd + offs_n[None, :] * sks, d_ok, n_ok,
                          CHECK_D, True)
             kT2 = kT
 
@@ -409,13 +479,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         dk2 = dk  # unused placeholder
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_n)
-    for g in range(GROUP):
-        h = hk * GROUP + g
+    for g in range(n_heads):
+        if DKV_PER_QHEAD:
+            h = hq0 + g
+        else:
+            h = hk * GROUP + g
+        hq, _hk, _bs = _row_map(h, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + h)
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + b * sdob + h * sdoh
+        q_base = Q + b * sqb + hq * sqh
+        do_base = DO + b * sdob + hq * sdoh
         m2_base = M2 + (b * Hq + h) * Sq
         inv_l_base = INV_L + (b * Hq + h) * Sq
         delta_base = DELTA + (b * Hq + h) * Sq
@@ -508,12 +582,16 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-                   ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """grid (cdiv(Sq, BLOCK_M), Hq, B). With ROPE, dQ is rotated back (R^T) before the store."""
+                   ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   RATE: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
+                   HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1):
+    """grid (cdiv(Sq, BLOCK_M), Hq, B). With ROPE, dQ is rotated back (R^T) before the store. With a
+    row map, Hq is the grid's head count, Q, K, V, DO are slot views and DQ is compact."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    hk = (h // GROUP).to(tl.int64)
+    hq, hk, bs = _row_map(h, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
+    hk = hk.to(tl.int64)
     slope2 = 0.0  # ALiBi slope of this head, times log2(e)
     if HAS_ALIBI:
         slope2 = tl.load(ALIBI + h)
@@ -528,13 +606,13 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
 
-    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + h * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
+    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + hq * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
                                           ROPE_INTERLEAVED)
     kp_base = KPOS
     if ROPE:
         kp_base = KPOS + b * skpb
-    do = load_2d(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
+    do = load_2d(DO + b * sdob + hq * sdoh + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
                  CHECK_D)
     row = (b * Hq + h) * Sq + offs_m
     m2 = tl.load(M2 + row, mask=m_ok, other=float("inf"))  # empty rows: m2 = +inf, inv_l = 0: p = 0
@@ -542,10 +620,10 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     qs = 0
     if HAS_SEGMENTS:
-        qs = tl.load(QSEG + b * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
+        qs = tl.load(QSEG + bs * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    ks_base = KSEG + b * sksb
+    ks_base = KSEG + bs * sksb
 
     if ROPE:
         dq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -600,25 +678,58 @@ def _alibi_args(alibi, q):
     return (slopes.to(q.device, torch.float32) * LOG2E).contiguous(), int(offset)
 
 
+def map_constexprs(row_map: RowMap) -> dict:
+    """The kernels' row-map constexprs of `row_map`."""
+    return dict(RATE=row_map.rate, HEADS=row_map.heads, KV_HEADS=row_map.kv_heads, HEAD_BASE=row_map.head_base,
+                FIXED_OFFSET=-1 if row_map.offset is None else row_map.offset)
+
+
+def dkv_per_query_head(row_map: RowMap | None, grid_heads: int) -> bool:
+    """Whether `backward` writes dk, dv per query head (the caller sums each GQA group): when the
+    heads of a GQA group read different offsets (per-head offsets, rate > 1), or when the grid's
+    heads do not cover whole groups (head groups of a size or start not a multiple of the group)."""
+    if row_map is None:
+        return False
+    group = row_map.heads // row_map.kv_heads
+    if group == 1:
+        return False
+    if row_map.rate > 1 and row_map.offset is None:
+        return True
+    return row_map.head_base % group != 0 or grid_heads % group != 0
+
+
+def _map_launch(row_map: RowMap | None, grid_heads: int | None, Hq: int, Hkv: int):
+    """(grid heads, GQA group, row-map constexprs) of a launch; none for the identity."""
+    if row_map is None:
+        return Hq, Hq // Hkv, {}
+    return grid_heads, row_map.heads // row_map.kv_heads, map_constexprs(row_map)
+
+
 def _flags(causal, window, q_ids, softcap):
     return dict(IS_CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_SEGMENTS=q_ids is not None,
                 HAS_SOFTCAP=softcap is not None)
 
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
-            rope=None, q_pos=None, kv_pos=None, config: BlockSizes | None = None, alibi=None):
+            rope=None, q_pos=None, kv_pos=None, config: BlockSizes | None = None, alibi=None,
+            row_map: RowMap | None = None, grid_heads: int | None = None, out_dtype: torch.dtype | None = None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse, stats).
 
     lse [B, Hq, Sq] fp32 natural log (-inf for rows with no visible key); stats = (m2, inv_l), each
     [B, Hq, Sq] fp32, is what `backward` needs. rope: a `torch_ref.Rope` or None; with it, q_pos
     [B, Sq] and kv_pos [B, Sk] are the integer positions (q and k are rotated inside the kernel).
     alibi: (slopes [Hq] fp32, offset) or None: scores get -slope_h |i + offset - j|.
+    row_map: an `attn_spec.dilation.RowMap` (with `grid_heads`, the heads it runs) or None: q, k, v
+    are then slot views `[B', L, rate * heads, D]` (and q_ids / kv_ids `[B' * rate, L]`), and out,
+    lse, stats come compact, `[B', L, grid_heads, D]` / `[B', grid_heads, L]` (no RoPE, ALiBi,
+    window or softcap with it). out_dtype: out's dtype (default q.dtype).
     Inputs are assumed validated (see torch_ref.ops.common.validation).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    Hq, group, map_kw = _map_launch(row_map, grid_heads, Hq, Hkv)
     cfg = config or default_block_sizes(D, q.dtype, q.is_cuda and not INTERPRETED)
-    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+    out = torch.empty((B, Sq, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
     lse, m2, inv_l = (torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) for _ in range(3))
     if out.numel() == 0:
         return out, lse.fill_(float("-inf")), (m2.fill_(float("inf")), inv_l.zero_())
@@ -633,35 +744,48 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
             q, k, v, out, lse, m2, inv_l, qseg, kseg, *rope_ptrs,
             block_ranges(causal, window, Sq, Sk, cfg.block_q, cfg.block_k, key_major=False, device=q.device),
             alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
-            Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, left, right, *alibi_args[1:],
+            Hq, group, Sq, Sk, score_mul, cap_mul, left, right, *alibi_args[1:],
             HEAD_DIM=D, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, BLOCK_D=block_d(D),
             PRECISION=precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **_flags(causal, window, q_ids, softcap), **rope_flags, HAS_ALIBI=alibi is not None)
+            **_flags(causal, window, q_ids, softcap), **rope_flags, HAS_ALIBI=alibi is not None, **map_kw)
     return out, lse, (m2, inv_l)
 
 
 def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None,
              softcap=None, rope=None, q_pos=None, kv_pos=None, dlse=None, config: BlockSizes | None = None,
-             alibi=None):
+             alibi=None, delta=None, row_map: RowMap | None = None, grid_heads: int | None = None,
+             grad_dtype: torch.dtype | None = None):
     """Gradients (dq, dk, dv) shaped like q, k, v, from dO [B, Sq, Hq, D], the forward's `out`
     and `stats`, and optionally the cotangent of the natural lse `dlse [B, Hq, Sq]`.
 
     With P = softmax, dS = P * (dP - delta) where delta_i = sum_d dO_i O_i; a cotangent on
     lse_i adds P_ij * dlse_i to dS_ij, i.e. it is folded in as delta_i -= dlse_i. With rope, the
     kernels accumulate dq', dk' w.r.t. the rotated q, k and store dq = R^T dq', dk = R^T dk'.
+
+    delta: the rows' delta `[B, Hq, Sq]` fp32, given instead of computing it from do, out and dlse
+    (out is then not read). row_map / grid_heads: as in `forward`; q, k, v and do are slot views,
+    stats and delta compact `[B', grid_heads, L]`, and the gradients come compact: dq
+    `[B', L, grid_heads, D]`, dk / dv `[B', L, grid_heads // group, D]`, or `[B', L, grid_heads, D]`
+    per query head when `dkv_per_query_head(row_map, grid_heads)` (the caller sums each GQA group).
+    grad_dtype: the gradients' dtype (default the inputs').
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    Hq, group, map_kw = _map_launch(row_map, grid_heads, Hq, Hkv)
+    per_qhead = dkv_per_query_head(row_map, Hq)
+    if row_map is not None:  # the dK/dV grid's heads
+        Hkv = Hq if per_qhead else Hq // group
     cfg = config or default_block_sizes(D, q.dtype, q.is_cuda and not INTERPRETED)
-    dq = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
-    dk = torch.zeros((B, Sk, Hkv, D), dtype=k.dtype, device=k.device)
-    dv = torch.zeros((B, Sk, Hkv, D), dtype=v.dtype, device=v.device)
+    dq = torch.empty((B, Sq, Hq, D), dtype=grad_dtype or q.dtype, device=q.device)
+    dk = torch.zeros((B, Sk, Hkv, D), dtype=grad_dtype or k.dtype, device=k.device)
+    dv = torch.zeros((B, Sk, Hkv, D), dtype=grad_dtype or v.dtype, device=v.device)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk, dv
-    # delta [B, Hq, Sq] fp32 (preprocess; a plain torch reduction)
-    delta = (do.float() * out.float()).sum(-1).transpose(1, 2)
-    if dlse is not None:
-        delta = delta - dlse.float()
+    if delta is None:
+        # delta [B, Hq, Sq] fp32 (preprocess; a plain torch reduction)
+        delta = (do.float() * out.float()).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            delta = delta - dlse.float()
     delta = delta.contiguous()
     qseg, kseg, seg_strides = _segment_args(q_ids, kv_ids, q)
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
@@ -671,18 +795,19 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
                   num_stages=cfg.num_stages_bwd, **_flags(causal, window, q_ids, softcap), **rope_flags,
                   HAS_ALIBI=alibi is not None)
     alibi_args = _alibi_args(alibi, q)
-    scalars = (Hq, Hq // Hkv, Sq, Sk, score_mul, cap_mul, scale, left, right, *alibi_args[1:])
+    scalars = (Hq, group, Sq, Sk, score_mul, cap_mul, scale, left, right, *alibi_args[1:])
+    dkv_kw = dict(map_kw, DKV_PER_QHEAD=True) if per_qhead else map_kw
     with device_ctx(q):
         _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_k_dkv), Hkv, B)](
             q, k, v, do, *stats, delta, dk, dv, qseg, kseg, *rope_ptrs,
             block_ranges(causal, window, Sq, Sk, cfg.block_q_dkv, cfg.block_k_dkv, key_major=True, device=q.device),
             alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
-            *rope_strides, *scalars, BLOCK_M=cfg.block_q_dkv, BLOCK_N=cfg.block_k_dkv, **common)
+            *rope_strides, *scalars, BLOCK_M=cfg.block_q_dkv, BLOCK_N=cfg.block_k_dkv, **common, **dkv_kw)
         _bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_q_dq), Hq, B)](
             q, k, v, do, *stats, delta, dq, qseg, kseg, *rope_ptrs,
             block_ranges(causal, window, Sq, Sk, cfg.block_q_dq, cfg.block_k_dq, key_major=False, device=q.device),
             alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *seg_strides,
-            *rope_strides, *scalars, BLOCK_M=cfg.block_q_dq, BLOCK_N=cfg.block_k_dq, **common)
+            *rope_strides, *scalars, BLOCK_M=cfg.block_q_dq, BLOCK_N=cfg.block_k_dq, **common, **map_kw)
     return dq, dk, dv
 
 
@@ -715,4 +840,4 @@ class FlashAttentionFn(torch.autograd.Function):
 
 
 __all__ = ["BlockSizes", "default_block_sizes", "block_d", "forward", "backward", "FlashAttentionFn", "INTERPRETED",
-           "MAX_HEAD_DIM"]
+           "MAX_HEAD_DIM", "map_constexprs", "dkv_per_query_head"]
