@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks on a machine with an NVIDIA GPU (no network, packages preinstalled): the GPU tests,
 # the parity check and the benchmarks, logs and JSON under $OUT (default /tmp/gpu_out).
-# Usage: bash scripts/run_gpu_checks.sh [warn|tests|parity|bench|softmax|rope|sb|sweep|all]...
+# Usage: bash scripts/run_gpu_checks.sh [warn|tests|parity|bench|softmax|rope|sb|dilated|sweep|all]...
 #   tests    pytest -m gpu, one process per test file, in parallel (compilation is CPU-bound)
 #   parity   python -m parity.check, one process per variant, in parallel
 #   bench    benchmarks/run_all.py (every benchmark, its --quick cases: run_all's default)
-#   softmax, rope, sb, sweep   one full benchmark: benchmarks/softmax.py, rope.py, stick_breaking.py,
-#            sweep_blocks.py
+#   softmax, rope, sb, dilated, sweep   one full benchmark: benchmarks/softmax.py, rope.py,
+#            stick_breaking.py, dilated.py, sweep_blocks.py (extra arguments: SOFTMAX_ARGS, SB_ARGS,
+#            DILATED_ARGS)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -28,12 +29,12 @@ fi
 if has tests; then
   for f in ${GPU_TEST_FILES:-tests/test_*.py}; do
     n=$(basename "$f" .py)
-    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "$f" -p no:cacheprovider > "$OUT/gpu-$n.txt" 2>&1 &
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "$f" -p no:cacheprovider ${TEST_ARGS:-} > "$OUT/gpu-$n.txt" 2>&1 &
   done
 fi
 wait  # the tests and parity side by side run out of GPU memory: one stage at a time
 if has parity; then
-  for v in ${PARITY_VARIANTS:-softmax stick_breaking layers}; do
+  for v in ${PARITY_VARIANTS:-softmax stick_breaking dilated layers}; do
     timeout ${PARITY_TIMEOUT:-420} python3 -m parity.check --variant "$v" --json "$OUT/parity-gpu-$v.json" \
       > "$OUT/parity-gpu-$v.txt" 2>&1 &
   done
@@ -45,7 +46,7 @@ if has bench; then
   timeout 900 python3 benchmarks/run_all.py --out "$OUT" 2>&1 | tee "$OUT/bench-log.txt" | tail -60
 fi
 if has softmax; then
-  timeout 600 python3 benchmarks/softmax.py --out "$OUT" 2>&1 | tee "$OUT/softmax-log.txt" | tail -40
+  timeout ${SOFTMAX_TIMEOUT:-600} python3 benchmarks/softmax.py --out "$OUT" ${SOFTMAX_ARGS:-} 2>&1 | tee "$OUT/softmax-log.txt" | tail -40
 fi
 if has rope; then
   timeout 300 python3 benchmarks/rope.py --out "$OUT" 2>&1 | tee "$OUT/rope-log.txt" | tail -12
@@ -56,6 +57,9 @@ if has sb; then  # with torch, JAX grows its memory and the plain-jnp fwd+bwd ro
   XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 420 python3 benchmarks/stick_breaking.py \
     --out "$OUT/preallocated" --xla-max-seq 8192 --columns softmax_causal,pallas_triton,mosaic_gpu,triton_rope,xla \
     ${SB_ARGS:-} 2>&1 | tee "$OUT/sb-log-preallocated.txt" | tail -8
+fi
+if has dilated; then
+  timeout ${DILATED_TIMEOUT:-600} python3 benchmarks/dilated.py --out "$OUT" ${DILATED_ARGS:-} 2>&1 | tee "$OUT/dilated-log.txt" | tail -30
 fi
 if has sweep; then
   timeout ${SWEEP_TIMEOUT:-400} python3 benchmarks/sweep_blocks.py --out "$OUT" 2>&1 | tee "$OUT/sweep-log.txt" | tail -20
