@@ -98,21 +98,23 @@ def _stick_breaking_mosaic_config_reason(config, call: Call) -> str | None:
     return None
 
 
-def _softmax_triton(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, config=None):
+def _softmax_triton(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, seed=None,
+                    config=None):
     return softmax_triton.flash_attention_pallas(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos,
-                                                 slopes=slopes,
-                                                 blocks=config)
+                                                 slopes=slopes, seed=seed, blocks=config)
 
 
-def _softmax_mosaic(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, config=None):
+def _softmax_mosaic(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, seed=None,
+                    config=None):
     # the Hopper kernels (`ops/softmax/mosaic.py`), wired through the engine's padding and custom_vjp
     return softmax_triton.flash_attention_pallas(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos,
                                                  kernels="mosaic_gpu", mosaic_blocks=config)
 
 
-def _softmax_xla(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, config=None):
+def _softmax_xla(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, seed=None,
+                 config=None):
     return softmax_reference.attention_reference(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos,
-                                                 slopes=slopes)
+                                                 slopes=slopes, seed=seed)
 
 
 def _stick_breaking_triton(q, k, v, decay, spec, *, pos=None, kv_pos=None, config=None):

@@ -33,6 +33,8 @@ class AttentionSpec:
       causality and windows compare absolute positions, i + offset against j (Sk - Sq:
       bottom-right aligned, as FlashAttention).
     alibi: scores get -slope_h * |i + offset - j| (ALiBi, per-head slopes given at run time).
+    dropout: the rate of attention dropout (probabilities zeroed after the softmax, the rest
+      scaled by 1 / (1 - rate); the bits of `attn_spec.dropout`, seeded at run time).
     """
 
     scale: float
@@ -45,6 +47,7 @@ class AttentionSpec:
     rope: Rope | None = None  # rotate q and k by their positions (fused in the kernels)
     offset: int = 0
     alibi: bool = False
+    dropout: float = 0.0
 
     @property
     def has_position_mask(self) -> bool:

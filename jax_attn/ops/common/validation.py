@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_spec.rope import Rope
+from jax_attn.ops.common import dropout
 
 
 MAX_HEAD_DIM = 256
@@ -162,3 +163,21 @@ def check_slopes(slopes, num_heads: int, dtype):
     if values is not None and not np.all(np.isfinite(values)):
         raise ValueError(f"alibi_slopes must be finite, got {values}")
     return jnp.asarray(slopes, jnp.float64 if dtype == jnp.float64 else jnp.float32)
+
+
+def check_dropout(rate, key):
+    """Attention dropout: rate a float in [0, 1); with rate > 0 a PRNG key (typed, or raw uint32
+    [2]) -> (rate as float, seed uint32 [2] or None)."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be a float in [0, 1), got {rate!r}")
+    if rate == 0.0:
+        return 0.0, None
+    if key is None:
+        raise ValueError("dropout_rate > 0 needs dropout_key, a JAX PRNG key (jax.random.key(seed))")
+    typed = hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not typed and (getattr(key, "dtype", None) != jnp.uint32 or tuple(getattr(key, "shape", ())) != (2,)):
+        raise TypeError(f"dropout_key must be a JAX PRNG key (typed, or raw uint32 [2]), got "
+                        f"{getattr(key, 'dtype', type(key).__name__)} {tuple(getattr(key, 'shape', ()))}")
+    if typed and key.shape != ():
+        raise ValueError(f"dropout_key must be one key, got shape {key.shape}")
+    return float(rate), dropout.seed_words(key)

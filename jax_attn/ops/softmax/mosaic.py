@@ -83,7 +83,7 @@ def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype, positions: boo
     features = [name for name, used in (
         ("softcap", spec.softcap is not None), ("segment_ids", spec.has_segments),
         ("RoPE positions arrays", spec.rope is not None and positions),
-        ("q_offset != kv_offset", spec.offset != 0), ("ALiBi", spec.alibi)) if used]
+        ("q_offset != kv_offset", spec.offset != 0), ("ALiBi", spec.alibi), ("dropout", spec.dropout > 0)) if used]
     if features:
         return (f"the Mosaic GPU kernels serve causal and windowed attention (top-left aligned) and RoPE "
                 f"at positions arange, not {', '.join(features)}")

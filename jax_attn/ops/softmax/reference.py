@@ -9,14 +9,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_attn.ops.common import dropout
 from jax_attn.ops.common.rope import apply_rope
 from jax_attn.ops.common.spec import AttentionSpec, visible
 
 
-def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None, slopes=None):
+def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None, slopes=None,
+                        seed=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], ids [B, Sq]/[B, Sk] or None -> (out, lse [B, Hq, Sq]).
 
-    With spec.rope, q and k are first rotated by q_pos [B, Sq] / kv_pos [B, Sk] (plain jnp)."""
+    With spec.rope, q and k are first rotated by q_pos [B, Sq] / kv_pos [B, Sk] (plain jnp); with
+    spec.dropout, the probabilities are dropped by the mask of `seed` (uint32 [2])."""
     if spec.rope is not None:
         q, k = apply_rope(q, q_pos, spec.rope), apply_rope(k, kv_pos, spec.rope)
     batch, q_len, num_heads, head_dim = q.shape
@@ -46,6 +49,10 @@ def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=No
     l = jnp.sum(p, axis=-1, keepdims=True)
     empty = l == 0
     p = p / jnp.where(empty, 1.0, l)
+    if spec.dropout:  # the kernels' mask, [B, Hq, Sq, Sk] -> [B, Hkv, G, Sq, Sk]
+        keep = dropout.keep_mask(seed, batch, num_heads, q_len, kv_len, spec.dropout)
+        keep = keep.reshape(batch, num_kv_heads, group, q_len, kv_len)
+        p = jnp.where(keep, p * (1.0 / (1.0 - spec.dropout)), jnp.zeros((), p.dtype))
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, precision=spec.precision)
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
     out = out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)

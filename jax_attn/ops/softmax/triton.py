@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_attn.ops.common import padding, triton_tiles as tiles
+from jax_attn.ops.common import dropout, padding, triton_tiles as tiles
 from attn_spec.dilation import RowMap
 from attn_spec.tiles import BlockSizes, pow2_at_least
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim, visible
@@ -129,6 +129,11 @@ def _needs_mask(st: _Static, block_k: int) -> bool:
     return st.spec.has_position_mask or st.spec.has_segments or st.kv_len % block_k != 0
 
 
+def _dropped(spec, x, row_bits, cols):
+    """x where dropout keeps (query row bits, key rows), scaled by 1 / (1 - rate); else 0."""
+    return jnp.where(dropout.keep(row_bits, cols, spec.dropout), x * (1.0 / (1.0 - spec.dropout)), 0.0)
+
+
 def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
     """Run `body(j, carry, masked)` over the visited blocks: masked edges, mask-free middle.
 
@@ -150,6 +155,7 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     spec = st.spec
     q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
     slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
+    seed_ref = rest.pop(0) if spec.dropout else None
     o_ref, lse_ref, m2_ref, inv_l_ref, *q_rot_ref = rest
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
@@ -162,6 +168,8 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     q_seg = q_info.get("seg")
     q_seg = None if q_seg is None else q_seg[:, None]
     k_delta = tiles.rope_delta(st, tables, 1, block_k)
+    if spec.dropout:
+        row_bits = dropout.row_bits(seed_ref, pl.program_id(1), pl.program_id(2), pl.num_programs(2), rows)[:, None]
 
     def body(j, carry, masked):
         m, l, acc = carry
@@ -185,6 +193,8 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - m_safe[:, None])
         l = l * alpha + p.sum(axis=1)
+        if spec.dropout:  # the sum l is the softmax's; dropout acts on the probabilities after it
+            p = _dropped(spec, p, row_bits, (start + jnp.arange(block_k))[None, :])
         acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v, spec)
         return m_new, l, acc
 
@@ -255,8 +265,13 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
     spec = st.spec
     q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
     slopes_ref = rest.pop(0) if spec.alibi else None
+    seed_ref = rest.pop(0) if spec.dropout else None
     dk_ref, dv_ref, *k_rot_ref = rest
-    first_head = pl.program_id(2) * q_ref.shape[1] if spec.alibi else None  # the group's first query head
+    # the group's first query head (program ids are read outside the loops: the interpreter
+    # cannot discharge them inside)
+    first_head = pl.program_id(2) * q_ref.shape[1] if spec.alibi or spec.dropout else None
+    if spec.dropout:
+        batch_row, num_heads = pl.program_id(1), pl.num_programs(2) * q_ref.shape[1]
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
@@ -293,8 +308,14 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
             q_seg = None if q_seg is None else q_seg[None, :]
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
         p = jnp.exp2(s - m2[None, :]) * inv_l[None, :]
-        dv = dv + tiles.dot(p.astype(do.dtype), do, spec)
         dp = tiles.dot(v, do, spec, trans_b=True)
+        if spec.dropout:  # dV takes the dropped probabilities, dP the same mask and scale
+            row_bits = dropout.row_bits(seed_ref, batch_row, first_head + g, num_heads,
+                                        start + jnp.arange(block_q))[None, :]
+            dv = dv + tiles.dot(_dropped(spec, p, row_bits, cols).astype(do.dtype), do, spec)
+            dp = _dropped(spec, dp, row_bits, cols)
+        else:
+            dv = dv + tiles.dot(p.astype(do.dtype), do, spec)
         ds = p * (dp - delta[None, :])
         if t is not None:  # soft cap: d/draw [cap * tanh(raw * scale / cap)] = scale * (1 - t^2)
             ds = ds * (1.0 - t * t)
@@ -315,6 +336,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     spec = st.spec
     q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
     slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
+    seed_ref = rest.pop(0) if spec.dropout else None
     (dq_ref,) = rest
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k_dq
@@ -326,6 +348,8 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
     q_seg = q_info.get("seg")
     q_seg = None if q_seg is None else q_seg[:, None]
+    if spec.dropout:
+        row_bits = dropout.row_bits(seed_ref, pl.program_id(1), pl.program_id(2), pl.num_programs(2), rows)
 
     def body(j, dq, masked):
         start = pl.multiple_of(j * block_k, block_k)
@@ -342,6 +366,8 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
         p = jnp.exp2(s - m2) * inv_l
         dp = tiles.dot(do, v, spec, trans_b=True)
+        if spec.dropout:
+            dp = _dropped(spec, dp, row_bits, (start + jnp.arange(block_k))[None, :])
         ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
@@ -479,7 +505,7 @@ def _side_info(fields, length, seg):
 def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None,
                            blocks: BlockSizes | None = None, interpret: bool | None = None,
                            kernels: str = "triton", mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None,
-                           slopes=None):
+                           slopes=None, seed=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (validated) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]).
 
     Segment ids [B, Sq]/[B, Sk] when spec.has_segments; RoPE positions [B, Sq]/[B, Sk] when
@@ -523,8 +549,11 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     elif spec.rope is not None:
         side[2:] = (rope_tables(q_pos, spec.rope, head_dim, head_pad, q_pad, batch),
                     rope_tables(kv_pos, spec.rope, head_dim, head_pad, kv_pad, batch))
-    if spec.alibi:  # whole, padded to a power of two (a Triton block)
-        side.append(padding.pad_axis(slopes.astype(jnp.float32), 0, pow2_at_least(slopes.shape[0])))
+    if spec.alibi or spec.dropout:  # whole; slopes padded to a power of two (a Triton block)
+        side.append(padding.pad_axis(slopes.astype(jnp.float32), 0, pow2_at_least(slopes.shape[0]))
+                    if spec.alibi else None)
+    if spec.dropout:
+        side.append(seed)
     side = tuple(side)
     if spec.has_segments:
         q_seg = padding.pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
