@@ -308,14 +308,15 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
             q_seg = None if q_seg is None else q_seg[None, :]
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
         p = jnp.exp2(s - m2[None, :]) * inv_l[None, :]
-        dp = tiles.dot(v, do, spec, trans_b=True)
         if spec.dropout:  # dV takes the dropped probabilities, dP the same mask and scale
             row_bits = dropout.row_bits(seed_ref, batch_row, first_head + g, num_heads,
                                         start + jnp.arange(block_q))[None, :]
             dv = dv + tiles.dot(_dropped(spec, p, row_bits, cols).astype(do.dtype), do, spec)
-            dp = _dropped(spec, dp, row_bits, cols)
         else:
             dv = dv + tiles.dot(p.astype(do.dtype), do, spec)
+        dp = tiles.dot(v, do, spec, trans_b=True)
+        if spec.dropout:
+            dp = _dropped(spec, dp, row_bits, cols)
         ds = p * (dp - delta[None, :])
         if t is not None:  # soft cap: d/draw [cap * tanh(raw * scale / cap)] = scale * (1 - t^2)
             ds = ds * (1.0 - t * t)
