@@ -137,6 +137,12 @@ def _dilated_triton(q, k, v, spec, *, segment_lengths, dilation_rates, merge, co
                                                    scale=spec.scale, precision=spec.precision, blocks=config)
 
 
+def _dilated_mosaic(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None):
+    return dilated_triton.dilated_attention_triton(q, k, v, segment_lengths=segment_lengths,
+                                                   dilation_rates=dilation_rates, causal=spec.causal, merge=merge,
+                                                   scale=spec.scale, precision=spec.precision, mosaic=True)
+
+
 def _dilated_xla(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None):
     return dilated_reference.dilated_reference(q, k, v, segment_lengths=segment_lengths,
                                                dilation_rates=dilation_rates, causal=spec.causal, merge=merge,
@@ -168,6 +174,8 @@ _ENTRIES = (
     # each branch one call of the softmax engine through a row map (its Triton kernels)
     Entry("dilated", "triton", _dilated_triton, _triton_reason, lambda: softmax_triton.BlockSizes,
           _softmax_triton_default),
+    # the branches without segment ids on the Hopper kernels, the others on the Triton kernels
+    Entry("dilated", "mosaic", _dilated_mosaic, _softmax_mosaic_reason),
     Entry("dilated", "xla", _dilated_xla, lambda call: None),
 )
 def _choose(variant: str, call: Call) -> str:
@@ -178,12 +186,12 @@ def _choose(variant: str, call: Call) -> str:
     "triton" (compiled on NVIDIA sm80+, through the interpreter on CPU).
     Stick-breaking: "xla" where Pallas Triton cannot run, else "triton", on Hopper too: the Mosaic
     forward walks every tile, while the Triton forward ends a row block's walk where its sticks are
-    spent (see `jax_attn.stick_breaking_attention`). Dilated: "xla" where Pallas Triton cannot
-    run, else "triton" (its only kernels).
+    spent (see `jax_attn.stick_breaking_attention`). Dilated: as softmax ("mosaic" where the Hopper
+    kernels serve the call: 16-bit, head dims 33 to 128).
     """
     if pallas_triton_unsupported_reason() is not None:
         return "xla"
-    if variant == "softmax" and _softmax_mosaic_reason(call) is None:
+    if variant in ("softmax", "dilated") and _softmax_mosaic_reason(call) is None:
         return "mosaic"
     return "triton"
 

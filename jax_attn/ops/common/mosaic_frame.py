@@ -210,7 +210,7 @@ def query_pair(q_ref, block_q: int, spec: AttentionSpec):
 
 def query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages: int,
                  spec: AttentionSpec, kv_len: int, group: int, shared=None, leftwards: bool = False,
-                 rotators: bool = False):
+                 rotators: bool = False, kv_head_of=None):
     """The frame of the forward and dQ kernels: two blocks of bq query rows per CTA (one per
     compute warpgroup) and the producer streaming the key blocks they see. Runs
     compute(batch, head, wg, first, own_blocks, stream, ring) in each compute warpgroup: its
@@ -219,7 +219,8 @@ def query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages
     (`partner_blocks`'s `valid`). `shared` (RoPE): the streamed keys come rotated (`stream_kv`);
     `leftwards`: the stream runs from stream_hi - 1 down. `rotators`: the grid's head axis
     starts with a pseudo-head whose CTAs compute nothing and stream nothing (their producers only
-    rotate for head 0: `_NextHead`)."""
+    rotate for head 0: `_NextHead`). `kv_head_of(head)`: the kv head a grid head reads (default
+    head // group; a row map's slot)."""
     ring = Ring(*ring[:3], stages, *ring[3:])
     batch, head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     if rotators:
@@ -244,7 +245,10 @@ def query_major(compute, q_ref, k_ref, v_ref, ring, *, bq: int, bkv: int, stages
         else:
             run()
 
-    kv_head = lax.div(jnp.maximum(head, 0) if rotators else head, jnp.array(group, head.dtype))
+    if kv_head_of is not None:
+        kv_head = kv_head_of(head)
+    else:
+        kv_head = lax.div(jnp.maximum(head, 0) if rotators else head, jnp.array(group, head.dtype))
     pl.when(wg == 2)(functools.partial(stream_kv, ring, k_ref, v_ref, batch, kv_head, bkv, *stream, shared,
                                        leftwards))
 

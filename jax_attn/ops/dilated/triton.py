@@ -23,7 +23,8 @@ import numpy as np
 
 from attn_spec.dilation import Branch, RowMap, branches, head_plan
 from attn_spec.tiles import BlockSizes
-from jax_attn.ops.common.spec import LOG2E, AttentionSpec
+from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim
+from jax_attn.ops.softmax import mosaic
 from jax_attn.ops.softmax.triton import mapped_backward, mapped_forward
 
 
@@ -37,6 +38,7 @@ class _Static:
     precision: jax.lax.Precision
     blocks: BlockSizes | None
     interpret: bool | None
+    mosaic: bool  # the Hopper kernels for the branches they serve (no segment ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,7 @@ class _Plan:
     branch: Branch
     rows: RowMap
     spec: AttentionSpec
+    mosaic_blocks: mosaic.MosaicBlockSizes | None  # run on the Mosaic kernels
 
     def view(self, x):
         """[B, S, Hx, D] -> [B * n, rows, rate * Hx, D]; a reshape alone unless padding is needed."""
@@ -104,13 +107,15 @@ class _Plan:
 
 
 def _plans(st: _Static, q, k) -> tuple[_Plan, ...]:
-    seq_len, num_heads, num_kv_heads = q.shape[1], q.shape[2], k.shape[2]
+    seq_len, num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], q.shape[3], k.shape[2]
     out = []
     for i, br in enumerate(branches(st.segment_lengths, st.dilation_rates, seq_len)):
         rows = head_plan(st.merge, num_heads, len(st.segment_lengths), i, br.rate, num_kv_heads)
         spec = AttentionSpec(scale=st.scale, causal=st.causal, has_segments=br.padded and not st.causal,
                              precision=st.precision)
-        out.append(_Plan(br, rows, spec))
+        use_mosaic = st.mosaic and mosaic.unsupported_reason(spec, head_dim, q.dtype) is None
+        blocks = mosaic.default_mosaic_block_sizes(padded_head_dim(spec, head_dim)) if use_mosaic else None
+        out.append(_Plan(br, rows, spec, blocks))
     return tuple(out)
 
 
@@ -121,7 +126,7 @@ def _forward(st: _Static, q, k, v):
     for plan in _plans(st, q, k):
         o, m2, inv_l = mapped_forward(plan.view(q), plan.view(k), plan.view(v), plan.segment_ids(batch),
                                       plan.spec, plan.rows, blocks=st.blocks, interpret=st.interpret,
-                                      out_dtype=jnp.float32)
+                                      out_dtype=jnp.float32, mosaic_blocks=plan.mosaic_blocks)
         kept = inv_l > 0  # rows with a visible key; the rest have m2 = +inf
         m2 = jnp.where(kept, m2, -jnp.inf)
         l = jnp.where(kept, 1.0 / jnp.where(kept, inv_l, 1.0), 0.0)
@@ -165,7 +170,8 @@ def _dilated_bwd(st, residuals, cotangents):
         gq, gk, gv = mapped_backward(plan.view(q), plan.view(k), plan.view(v), plan.segment_ids(batch),
                                      plan.spec, plan.rows, plan.view(do.astype(q.dtype)),
                                      plan.full_to_rows(m2, jnp.inf), plan.full_to_rows(inv_l, 0.0),
-                                     plan.full_to_rows(delta, 0.0), blocks=st.blocks, interpret=st.interpret)
+                                     plan.full_to_rows(delta, 0.0), blocks=st.blocks, interpret=st.interpret,
+                                     mosaic_blocks=plan.mosaic_blocks)
         full = lambda x: plan.rows_to_full(x.astype(jnp.float32), batch, seq_len, num_heads, 0.0)
         dq, dk, dv = dq + full(gq), dk + full(gk), dv + full(gv)
     group = num_heads // num_kv_heads
@@ -178,8 +184,10 @@ _dilated.defvjp(_dilated_fwd, _dilated_bwd)
 
 def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: str,
                              scale: float, precision=jax.lax.Precision.DEFAULT, blocks: BlockSizes | None = None,
-                             interpret: bool | None = None):
-    """q [B, S, H, D], k/v [B, S, Hkv, D] (validated) -> (out [B, S, H, D], lse [B, H, S])."""
+                             interpret: bool | None = None, mosaic: bool = False):
+    """q [B, S, H, D], k/v [B, S, Hkv, D] (validated) -> (out [B, S, H, D], lse [B, H, S]).
+    mosaic: the branches the Hopper kernels serve (those without segment ids: no padding, or
+    causal) run on them, the others on the Triton kernels."""
     st = _Static(tuple(segment_lengths), tuple(dilation_rates), causal, merge, float(scale), precision, blocks,
-                 interpret)
+                 interpret, mosaic)
     return _dilated(st, q, k, v)

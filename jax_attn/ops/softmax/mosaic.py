@@ -462,6 +462,15 @@ class _NextHead:
 DKDV_PRODUCER_REGISTERS = 24
 
 
+def _slots(rows, head):
+    """(q slot, kv slot) that grid head `head` reads through the row map `rows` (an
+    `attn_spec.dilation.RowMap`), in lax integer ops on the traced scalar."""
+    const = lambda x: jnp.array(x, head.dtype)
+    g = head + const(rows.head_base)
+    o = lax.rem(g, const(rows.rate)) if rows.offset is None else const(rows.offset)
+    return o * const(rows.heads) + g, o * const(rows.kv_heads) + lax.div(g, const(rows.heads // rows.kv_heads))
+
+
 def _split_tables(refs, spec: AttentionSpec):
     """A kernel's refs after its inputs -> (RoPE tables (base, delta) or (), its outputs)."""
     count = 2 if spec.rope is not None else 0
@@ -469,7 +478,7 @@ def _split_tables(refs, spec: AttentionSpec):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlockSizes, spec: AttentionSpec,
-                    kv_len: int, group: int):
+                    kv_len: int, group: int, row_map=None):
     """Outputs o, lse2 and, with RoPE (after the tables, the k and q flags come as input Refs), k
     rotated and q rotated (`_SharedKeys`, `_NextHead`; the backward reads them)."""
     *refs, own, ring = refs
@@ -513,7 +522,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlockSizes, spec: 
         stream_lo, stream_hi = stream
         q_tile, rows = q_smem.at[wg], pl.ds(first, bq)
         if rotary is None:
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[wg])
+            q_head = head if row_map is None else _slots(row_map, head)[0]
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_tile, own_ready.at[wg])
             plgpu.barrier_wait(own_ready.at[wg])
         else:
             load_rotated_q(batch, head, wg, rows, q_tile)
@@ -554,7 +564,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlockSizes, spec: 
         frame.store_tiles([(acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), q_tile, o_ref.at[batch, rows, head])])
 
     frame.query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.num_stages, spec=spec,
-                 kv_len=kv_len, group=group, shared=shared, rotators=rotary is not None)
+                 kv_len=kv_len, group=group, shared=shared, rotators=rotary is not None,
+                 kv_head_of=None if row_map is None else (lambda h: _slots(row_map, h)[1]))
 
 
 def _backward_own(own, tables, spec: AttentionSpec):
@@ -566,7 +577,7 @@ def _backward_own(own, tables, spec: AttentionSpec):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlockSizes,
-               spec: AttentionSpec, group: int, kv_len: int):
+               spec: AttentionSpec, group: int, kv_len: int, row_map=None):
     """dQ = scale * dS K with dS = P (dO V^T - delta), P = exp2(s2 - m2); two query blocks per CTA
     (one per compute warpgroup) stream the key blocks, as the forward, and mask as it does. With
     RoPE q and k come rotated (the forward's) and dQ is rotated back."""
@@ -580,8 +591,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         stream_lo, stream_hi = stream
         rows = pl.ds(first, bq)
         q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_tile, own_ready.at[2 * wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_tile, own_ready.at[2 * wg + 1])
+        q_head = head if row_map is None else _slots(row_map, head)[0]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, q_head], q_tile, own_ready.at[2 * wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, q_head], do_tile, own_ready.at[2 * wg + 1])
         if rotary is not None:  # the tables the final rotation reads
             pl.when(wg == 0)(rotary.fetch)
             rotary.prefetch(wg, first // ROPE_ROWS)
@@ -613,11 +625,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         frame.store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
 
     frame.query_major(compute, q_ref, k_ref, v_ref, ring, bq=bq, bkv=bkv, stages=blocks.num_stages_bwd, spec=spec,
-                 kv_len=kv_len, group=group)
+                 kv_len=kv_len, group=group,
+                 kv_head_of=None if row_map is None else (lambda h: _slots(row_map, h)[1]))
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: MosaicBlockSizes,
-                 spec: AttentionSpec, group: int, kv_len: int):
+                 spec: AttentionSpec, group: int, kv_len: int, row_map=None):
     """dV = P^T dO, dK = scale * dS^T Q, summed over the kv head's query heads: two key blocks per
     CTA (one per compute warpgroup) stream the (query head, query block) pairs, computing the
     transposed tiles S^T = K Q^T directly. Padded query rows have dO = 0 and delta = 0: they add 0.
@@ -630,6 +643,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
     ring = frame.Ring(*ring, blocks.num_stages_bwd)
     num_q = q_ref.shape[1] // bq
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    # Through a row map the grid's heads are query heads (group 1), each reading its slots and
+    # writing its own dK/dV (the caller sums a GQA group's).
+    q_head_of = (lambda h: h) if row_map is None else (lambda h: _slots(row_map, h)[0])
+    kv_in = kv_head if row_map is None else _slots(row_map, kv_head)[1]
     pair_first = lax.axis_index("k_tiles") * 2 * bkv  # causal: low keys see the most rows, launched first
     # key j is seen by rows i with j - after <= i <= j + before (none at all past the last row)
     before, after = visit.reach(spec)
@@ -647,8 +664,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         own_blocks = [jnp.where(wg == 0, a, b) for a, b in zip(*ranges)]
         keys = pl.ds(first, bkv)
         k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
-        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_tile, own_ready.at[2 * wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_tile, own_ready.at[2 * wg + 1])
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_in], k_tile, own_ready.at[2 * wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_in], v_tile, own_ready.at[2 * wg + 1])
         if rotary is not None:  # the tables the final rotation reads
             pl.when(wg == 0)(rotary.fetch)
             rotary.prefetch(wg, first // ROPE_ROWS)
@@ -697,7 +714,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
 
         def sources(t):
             head, i = at(t)
-            rows = (batch, pl.ds(i * bq, bq), head)
+            rows = (batch, pl.ds(i * bq, bq), q_head_of(head))
             return q_ref.at[rows], do_ref.at[rows]
 
         ring.produce(sources, group * per_head, group * num_q)
@@ -718,14 +735,16 @@ def rope_blocks_reason(blocks: MosaicBlockSizes) -> str | None:
 
 
 def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlockSizes, rope=None,
-                  rotated: bool = False):
+                  rotated: bool = False, row_map=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], padded to `blocks.tiles`, D in HEAD_DIMS; keys >=
     kv_len are padding (masked). With spec.rope, `rope` = `rope_tables(...)` covering both lengths.
     -> (out [B, Sq, Hq, D], lse2 [B, Hq, Sq] float32, base 2, of the scaled scores
     [, q rotated, k rotated, if `rotated`: what the backward reads]). k rotated may hold garbage
     in key blocks no query sees (`_NextHead` rotates them where it reaches them); the backward
-    never reads them."""
-    launch = functools.partial(_forward_launch, spec=spec, kv_len=kv_len, blocks=blocks, rotated=rotated)
+    never reads them. `row_map` (an `attn_spec.dilation.RowMap`; no RoPE): the grid's heads read
+    q, k, v through it (a view's head slots) and out, lse2 are [.., row_map.programs, ..]."""
+    launch = functools.partial(_forward_launch, spec=spec, kv_len=kv_len, blocks=blocks, rotated=rotated,
+                               row_map=row_map)
     if spec.rope is None:
         return launch(q, k, v)
     _check_rope_blocks(blocks)
@@ -740,12 +759,17 @@ def flash_forward(q, k, v, spec: AttentionSpec, kv_len: int, blocks: MosaicBlock
             "implementation='triton'") from e
 
 
-def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: MosaicBlockSizes, rotated: bool):
+def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: MosaicBlockSizes, rotated: bool,
+                    row_map=None):
     batch, q_pad, num_heads, head_dim = q.shape
-    kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2])
+    kernel = functools.partial(_forward_kernel, blocks=blocks, spec=spec, kv_len=kv_len, group=num_heads // k.shape[2],
+                               row_map=row_map)
     own_smem = (frame.smem((2, blocks.block_q, head_dim), q.dtype),)
     own_ready = plgpu.Barrier(num_barriers=2)  # each compute warpgroup's q tile
-    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
+    if row_map is not None:
+        num_heads = row_map.programs
+    out_type = (jax.ShapeDtypeStruct((batch, q_pad, num_heads, head_dim), q.dtype),
+                jax.ShapeDtypeStruct((batch, num_heads, q_pad), jnp.float32))
     args = (q, k, v)
     sizes = dict(heads=num_heads, q_tiles=q_pad // blocks.q_tile, batch=batch)
     if spec.rope is not None:  # flags: fresh zeros per call
@@ -767,15 +791,22 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
     return (out, lse, *k_q_rot[::-1]) if rotated else (out, lse)
 
 
-def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blocks: MosaicBlockSizes, rope=None):
+def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blocks: MosaicBlockSizes, rope=None,
+                   row_map=None):
     """The gradients from the forward's statistics: P = exp2(s2 - m2) (m2 = lse2; +inf on empty
     rows), delta = rowsum(dO * O) - dlse [B, Hq, Sq] fp32. Arrays padded as for `flash_forward`
     (with zeros); with spec.rope, q and k are the forward's rotated q and k and `rope` its tables.
-    -> (dq, dk, dv) in the input dtype, dk/dv per kv head."""
+    -> (dq, dk, dv) in the input dtype, dk/dv per kv head. `row_map` (no RoPE): q, dO, k, v are
+    read through it, m2, delta and dq are [.., row_map.programs, ..], and dk, dv are per program
+    (query head: the caller sums a GQA group's)."""
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     bq, bkv = blocks.block_q_bwd, blocks.block_k_bwd
     options = dict(blocks=blocks, spec=spec, group=num_heads // num_kv_heads, kv_len=kv_len)
+    dkdv_options, dkdv_heads, dq_heads = options, num_kv_heads, num_heads
+    if row_map is not None:
+        options = dict(options, row_map=row_map)
+        dkdv_options, dkdv_heads, dq_heads = dict(options, group=1), row_map.programs, row_map.programs
     tables = ()
     if spec.rope is not None:
         _check_rope_blocks(blocks)
@@ -786,12 +817,13 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
             return smem, ready
         rotary_smem, rotary_barriers = _Rotary.scratch(head_dim)
         return smem + (rotary_smem,), (ready, rotary_barriers)
-    dk, dv = frame.launch(functools.partial(_dkdv_kernel, **options), (q, k, v, do, m2, delta, *tables),
-                     (jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, (num_kv_heads, kv_pad // (2 * bkv), batch),
+    dk, dv = frame.launch(functools.partial(_dkdv_kernel, **dkdv_options), (q, k, v, do, m2, delta, *tables),
+                     (jax.ShapeDtypeStruct((batch, kv_pad, dkdv_heads, head_dim), k.dtype),) * 2,
+                     (dkdv_heads, kv_pad // (2 * bkv), batch),
                      ("heads", "k_tiles", "batch"), own(bkv, k.dtype),
                      frame.ring_scratch(blocks.num_stages_bwd, bq, head_dim, q.dtype))
     dq = frame.launch(functools.partial(_dq_kernel, **options), (q, k, v, do, m2, delta, *tables),
-                 jax.ShapeDtypeStruct(q.shape, q.dtype), (num_heads, q_pad // (2 * bq), batch),
+                 jax.ShapeDtypeStruct((batch, q_pad, dq_heads, head_dim), q.dtype), (dq_heads, q_pad // (2 * bq), batch),
                  ("heads", "q_tiles", "batch"), own(bq, q.dtype),
                  frame.ring_scratch(blocks.num_stages_bwd, bkv, head_dim, k.dtype))
     return dq, dk, dv

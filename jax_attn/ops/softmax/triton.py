@@ -583,7 +583,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
 # ----------------------------------------------------------------------------------------------
 
 
-def _mapped_setup(q, k, v, seg, spec: AttentionSpec, rows: RowMap, blocks, interpret):
+def _mapped_setup(q, k, v, seg, spec: AttentionSpec, rows: RowMap, blocks, interpret, mosaic_blocks):
     """Pads the view to the tile grid -> (static, padded q, k, v, side inputs, ranges by kernel)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -591,14 +591,14 @@ def _mapped_setup(q, k, v, seg, spec: AttentionSpec, rows: RowMap, blocks, inter
     head_pad = padded_head_dim(spec, head_dim)
     blocks = (blocks or default_block_sizes(head_pad, interpret, q.dtype)).fitted(length, length)
     tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv, blocks.block_k_dkv,
-               blocks.block_q_dq, blocks.block_k_dq)
+               blocks.block_q_dq, blocks.block_k_dq, *(mosaic_blocks.tiles if mosaic_blocks else ()))
     padded = pl.cdiv(length, tile) * tile
     pad = lambda x: padding.pad_axis(padding.pad_axis(x, 3, head_pad), 1, padded)
     side = [None] * 4
     if spec.has_segments:
         seg = padding.pad_axis(seg.astype(jnp.int32), 1, padded, mode="edge")
         side[:2] = (_side_info(tiles.info_fields(spec), padded, seg),) * 2
-    st = _Static(spec, blocks, length, length, interpret, rows=rows)
+    st = _Static(spec, blocks, length, length, interpret, rows=rows, mosaic=mosaic_blocks)
 
     def ranges(bq, bk, key_major):
         return block_ranges(spec, length, length, bq, bk, padded // bq, padded // bk, seg, seg,
@@ -610,29 +610,43 @@ def _mapped_setup(q, k, v, seg, spec: AttentionSpec, rows: RowMap, blocks, inter
 
 
 def mapped_forward(q, k, v, seg, spec: AttentionSpec, rows: RowMap, *, blocks: BlockSizes | None = None,
-                   interpret: bool | None = None, out_dtype=None):
+                   interpret: bool | None = None, out_dtype=None,
+                   mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None):
     """Attention over a view read through `rows`: q [B', L, rate * H, D], k/v [B', L, rate * Hkv, D],
     segment ids seg [B' * rate, L] (row `rows.side_row(b, h)`) when spec.has_segments.
     -> out [B', L, P, D] (out_dtype, default q's), m2, inv_l [B', P, L] fp32 (P = rows.programs):
-    the online softmax's row maximum (log2 units) and 1 / row sum; a row with no visible key has
-    m2 = +inf, inv_l = 0."""
-    st, qp, kp, vp, side, (fwd, _, _) = _mapped_setup(q, k, v, seg, spec, rows, blocks, interpret)
-    out, _, m2, inv_l = _fwd_call(st, qp, kp, vp, side, fwd, differentiated=False, out_dtype=out_dtype)
+    P = exp2(s2 - m2) * inv_l; a row with no visible key has m2 = +inf, inv_l = 0. With
+    `mosaic_blocks` the Hopper kernels run it (where `mosaic_gpu.unsupported_reason` allows; they
+    write out in q's dtype and keep lse2 alone: m2 = lse2, inv_l = 1)."""
+    st, qp, kp, vp, side, (fwd, _, _) = _mapped_setup(q, k, v, seg, spec, rows, blocks, interpret, mosaic_blocks)
+    if mosaic_blocks is not None:
+        out, lse2 = mosaic_gpu.flash_forward(qp, kp, vp, spec, st.kv_len, mosaic_blocks, row_map=rows)
+        empty = lse2 == -jnp.inf
+        m2, inv_l = jnp.where(empty, jnp.inf, lse2), jnp.where(empty, 0.0, 1.0)
+    else:
+        out, _, m2, inv_l = _fwd_call(st, qp, kp, vp, side, fwd, differentiated=False, out_dtype=out_dtype)
     length, head_dim = q.shape[1], q.shape[3]
     return out[:, :length, :, :head_dim], m2[:, :, :length], inv_l[:, :, :length]
 
 
 def mapped_backward(q, k, v, seg, spec: AttentionSpec, rows: RowMap, do, m2, inv_l, delta, *,
-                    blocks: BlockSizes | None = None, interpret: bool | None = None):
+                    blocks: BlockSizes | None = None, interpret: bool | None = None,
+                    mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None):
     """The backward of `mapped_forward` at given row statistics (m2, inv_l, delta [B', P, L] fp32,
     P = exp2(s2 - m2) * inv_l; delta = rowsum(dO * O) - dlse), dO [B', L, rate * H, D] read through
     `rows` like q. -> dq, dk, dv [B', L, P, D], each program's own (dk, dv per query head)."""
-    st, qp, kp, vp, side, (_, dq_plan, dkdv_plan) = _mapped_setup(q, k, v, seg, spec, rows, blocks, interpret)
+    st, qp, kp, vp, side, (_, dq_plan, dkdv_plan) = _mapped_setup(q, k, v, seg, spec, rows, blocks, interpret,
+                                                                  mosaic_blocks)
     padded = qp.shape[1]
     dop = padding.pad_axis(padding.pad_axis(do.astype(q.dtype), 3, qp.shape[3]), 1, padded)
     stat = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, padded - x.shape[2])), constant_values=fill)
     # padded rows: P = exp2(s2 - inf) * 0 = 0
-    dq, dk, dv = _bwd_call(st, qp, kp, vp, side, dq_plan, dkdv_plan, dop, stat(m2, jnp.inf),
-                           stat(inv_l, 0.0), stat(delta, 0.0))
+    if mosaic_blocks is not None:  # its P = exp2(s2 - lse2): fold 1 / inv_l into the exponent
+        lse2 = jnp.where(inv_l > 0, m2 - jnp.log2(jnp.where(inv_l > 0, inv_l, 1.0)), jnp.inf)
+        dq, dk, dv = mosaic_gpu.flash_backward(qp, kp, vp, dop, stat(lse2, jnp.inf), stat(delta, 0.0), spec,
+                                               st.kv_len, mosaic_blocks, row_map=rows)
+    else:
+        dq, dk, dv = _bwd_call(st, qp, kp, vp, side, dq_plan, dkdv_plan, dop, stat(m2, jnp.inf),
+                               stat(inv_l, 0.0), stat(delta, 0.0))
     length, head_dim = q.shape[1], q.shape[3]
     return tuple(x[:, :length, :, :head_dim] for x in (dq, dk, dv))
