@@ -13,13 +13,15 @@ TF/s on the dilated FLOPs: sum over branches of segments x (w/r)^2 x 4 x H x D (
 branch H/K heads); forward+backward 3.5x. Dense rows count dense FLOPs. --quick: 8k and 32k.
 
 Columns:
-    lse              jax_attn.dilated_attention(merge="lse")
+    lse              jax_attn.dilated_attention(merge="lse") (the default: Mosaic kernels on Hopper)
+    lse_triton       the same, implementation="triton" (the Triton kernels)
     head_groups      jax_attn.dilated_attention(merge="head_groups") (not compared: another function)
     composite        per branch: gather the dilated rows (jnp), jax_attn.flash_attention(return_lse=True)
                      on the segment batch, scatter back; LSE merge (differentiable throughout)
     composite_cudnn  the same with cuDNN (jax's cuDNN fused attention, which returns its softmax
                      statistic through a private entry point); absent where that does not run
-    dense            jax_attn.flash_attention on the whole sequence (dense rows only)
+    dense            jax_attn.flash_attention on the whole sequence (dense rows only; the default)
+    dense_triton     the same, implementation="triton"
     dense_mask       the original project's path: dense attention with an [H, S, S] dilation mask
                      (jax.nn.dot_product_attention, XLA), S <= --mask-max-seq
     torch_ref        torch_ref.dilated_attention(merge="lse") (the Triton twin)
@@ -78,12 +80,13 @@ def _dilated_only(case):
         raise Absent("dilated columns run on the dilated cases")
 
 
-def ours(merge):
+def ours(merge, implementation=None):
     def build(case, opts):
         _dilated_only(case)
         import jax_attn
         return lambda q, k, v: jax_attn.dilated_attention(q, k, v, segment_lengths=case.params["segments"],
-                                                          dilation_rates=case.params["rates"], merge=merge)
+                                                          dilation_rates=case.params["rates"], merge=merge,
+                                                          implementation=implementation)
     return build
 
 
@@ -145,11 +148,13 @@ def composite_cudnn(case, opts):
     return composite(cudnn_lse)(case, opts)
 
 
-def dense(case, opts):
-    if "segments" in case.params:
-        raise Absent("dense runs on the dense cases")
-    import jax_attn
-    return lambda q, k, v: jax_attn.flash_attention(q, k, v)
+def dense(implementation=None):
+    def build(case, opts):
+        if "segments" in case.params:
+            raise Absent("dense runs on the dense cases")
+        import jax_attn
+        return lambda q, k, v: jax_attn.flash_attention(q, k, v, implementation=implementation)
+    return build
 
 
 def dilation_mask(S, H, segments, rates):
@@ -220,10 +225,12 @@ def torch_composite(case, opts):
 
 COLUMNS = [
     Column("lse", ours("lse")),
+    Column("lse_triton", ours("lse", "triton")),
     Column("head_groups", ours("head_groups"), compare=False),
     Column("composite", composite(flash_lse)),
     Column("composite_cudnn", composite_cudnn),
-    Column("dense", dense, compare=False),
+    Column("dense", dense(), compare=False),
+    Column("dense_triton", dense("triton"), compare=False),
     Column("dense_mask", dense_mask, compare=False, quick=False),
     Column("torch_ref", torch_ref_build, framework="torch"),
     Column("torch_composite", torch_composite, framework="torch"),
