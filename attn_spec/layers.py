@@ -7,16 +7,24 @@ A layer's attention kind and its position scheme are two separate arguments:
                               causal (needs causal=True; no window, softcap or segment ids), with
                               the distance decay `decay` (fixed) or, with learn_decay=True, a
                               learnable per-head decay softplus(decay_logit) started at decay (> 0).
+  attention="dilated":        `dilated_attention` (LongNet, arXiv 2307.02486) with segment_lengths,
+                              dilation_rates (both required), merge ("lse" | "head_groups") and
+                              causal; no window, softcap, decay or segment ids.
   position="none":     no position information (permutation-equivariant unless causal / windowed).
   position="absolute": the sinusoidal table of `attn_spec.positions` is added to the attention
                        input before the q/k/v projections (at `positions` when given, else at
                        0 .. S-1); the residual of an encoder block carries x without it.
   position="rope":     q and k rotated by the `rope` config inside the attention kernel, at
-                       `positions` (default 0 .. S-1); both attention kinds take it.
+                       `positions` (default 0 .. S-1); every attention kind takes it (dilated
+                       attention has no fused RoPE: its layers rotate q and k before the call,
+                       `LayerSpec.rope_outside_kernel`).
 
 An argument that the chosen attention kind or position scheme does not use must keep its neutral
 value (`UNUSED_BY`); anything else raises a ValueError that names it. `check_layer_args` returns a
-frozen `LayerSpec` that both frameworks' layers keep and read. Imports neither jax nor torch.
+frozen `LayerSpec` that both frameworks' layers keep and read; `check_multihead_args` the same for
+the layers with `flax.nnx.MultiHeadAttention`'s width arguments (in_features, qkv_features,
+out_features: `MultiheadDilatedAttention`); `check_dilated_args` the `DilatedSpec` of the weightless
+`DilatedAttention` (and of the dilated multi-head layers). Imports neither jax nor torch.
 """
 from __future__ import annotations
 
@@ -24,17 +32,21 @@ import dataclasses
 import math
 import numbers
 
+from attn_spec import dilation
 from attn_spec.rope import Rope
 
-ATTENTIONS = ("softmax", "stick_breaking")
+ATTENTIONS = ("softmax", "stick_breaking", "dilated")
 POSITIONS = ("none", "absolute", "rope")
 LAYER_NORM_EPS = 1e-5
+_DILATED_ONLY = {"segment_lengths": None, "dilation_rates": None, "merge": "lse"}
 # attention kind -> {argument it does not take: the neutral value that argument must keep}
 UNUSED_BY = {
-    "softmax": {"decay": 0.0, "learn_decay": False},
-    "stick_breaking": {"window": None, "softcap": None},
+    "softmax": {"decay": 0.0, "learn_decay": False, **_DILATED_ONLY},
+    "stick_breaking": {"window": None, "softcap": None, **_DILATED_ONLY},
+    "dilated": {"window": None, "softcap": None, "decay": 0.0, "learn_decay": False},
 }
-CALL_ARGS_UNUSED_BY = {"stick_breaking": ("segment_ids",)}  # call arguments an attention kind refuses
+# call arguments an attention kind refuses
+CALL_ARGS_UNUSED_BY = {"stick_breaking": ("segment_ids",), "dilated": ("segment_ids",)}
 
 
 def positive_int(name: str, value) -> int:
@@ -54,8 +66,49 @@ def inverse_softplus(y: float) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class DilatedSpec:
+    """The checked dilated configuration (see `check_dilated_args`)."""
+
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    causal: bool
+    merge: str
+    scale: float | None  # None: D ** -0.5
+
+    def attention_kwargs(self) -> dict:
+        """The keyword arguments of `dilated_attention` (implementation and config aside)."""
+        return dict(segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates, causal=self.causal,
+                    merge=self.merge, scale=self.scale)
+
+
+def check_dilated_args(segment_lengths, dilation_rates, *, causal=False, merge="lse", scale=None,
+                       num_heads=None) -> DilatedSpec:
+    """Validate a dilated configuration -> `DilatedSpec`. With num_heads (a multi-head layer) the
+    head count is checked against merge="head_groups" too; without (`DilatedAttention`, whose
+    heads come with q) `dilated_attention` checks it at the call."""
+    missing = [name for name, value in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates))
+               if value is None]
+    if missing:
+        raise ValueError(f"dilated attention needs {' and '.join(missing)} (one entry per branch)")
+    lengths, rates = dilation.check_config(segment_lengths, dilation_rates, "lse", 1)  # the branches alone
+    dilation.check_config(lengths, rates, merge, len(lengths) if num_heads is None else num_heads)
+    try:
+        is_bool = causal in (False, True)
+    except (TypeError, ValueError):  # an array of several values
+        is_bool = False
+    if not is_bool:
+        raise ValueError(f"causal must be a bool, got causal={causal!r}")
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
+                              or not 0 < scale < math.inf):
+        raise ValueError(f"scale must be a finite float > 0 or None (D ** -0.5), got scale={scale!r}")
+    return DilatedSpec(lengths, rates, bool(causal), merge, None if scale is None else float(scale))
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """The checked arguments of a self-attention layer (see `check_layer_args`)."""
+    """The checked arguments of a self-attention layer (see `check_layer_args` and
+    `check_multihead_args`). d_model is the input width (`in_features` of the multi-head layers),
+    qkv_features = num_heads * head_dim the width of q, out_features the output width."""
 
     d_model: int
     num_heads: int
@@ -69,21 +122,32 @@ class LayerSpec:
     softcap: float | None
     decay: float
     learn_decay: bool
+    dilated: DilatedSpec | None  # None unless attention="dilated"
+    qkv_features: int
+    out_features: int
+    width_name: str  # what the layer calls its input width: "d_model" or "in_features"
+
+    @property
+    def rope_outside_kernel(self) -> bool:
+        """position="rope" on an attention kind without fused RoPE (dilated): the layer rotates q
+        and k (plain `apply_rope`) before the attention call."""
+        return self.position == "rope" and self.attention == "dilated"
 
     def projections(self) -> dict[str, tuple[int, int]]:
         """{projection name: (in features, out features)}, in creation order."""
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {"q_proj": (self.d_model, q_width), "k_proj": (self.d_model, kv_width),
-                "v_proj": (self.d_model, kv_width), "out_proj": (q_width, self.d_model)}
+                "v_proj": (self.d_model, kv_width), "out_proj": (q_width, self.out_features)}
 
     def qkv_heads(self) -> tuple[int, int, int]:
         """The number of heads of q, k and v."""
         return self.num_heads, self.num_kv_heads, self.num_kv_heads
 
-    def check_call(self, x_shape, *, segment_ids=None, positions=None) -> tuple[int, int]:
-        """Check a call's x [B, S, d_model] and which optional inputs it gives; -> (B, S)."""
+    def check_call(self, x_shape, *, segment_ids=None, positions=None, name: str = "x") -> tuple[int, int]:
+        """Check a call's input `name` [B, S, d_model] and which optional inputs it gives; -> (B, S)."""
         if len(x_shape) != 3 or x_shape[-1] != self.d_model:
-            raise ValueError(f"x must be [batch, seq, d_model={self.d_model}], got shape {tuple(x_shape)}")
+            raise ValueError(f"{name} must be [batch, seq, {self.width_name}={self.d_model}], "
+                             f"got shape {tuple(x_shape)}")
         if positions is not None and self.position == "none":
             raise ValueError("positions were given but position='none' does not use them")
         given = dict(segment_ids=segment_ids)
@@ -92,10 +156,20 @@ class LayerSpec:
             raise ValueError(f"attention={self.attention!r} takes no {', '.join(refused)}")
         return x_shape[0], x_shape[1]
 
+    def check_kv_input(self, name: str, shape, batch: int, length: int) -> None:
+        """Key/value inputs of the multi-head layers: [B, S, d_model] with the queries' B and S
+        (dilated attention is self-attention: one sequence length)."""
+        want = (batch, length, self.d_model)
+        if tuple(shape) != want:
+            raise ValueError(f"{name} must be [batch, seq, {self.width_name}] = {want} like inputs_q (dilated "
+                             f"attention needs the same sequence for queries and keys), got shape {tuple(shape)}")
+
     def attention_kwargs(self, *, segment_ids=None, positions=None, decay=None) -> dict:
         """The keyword arguments of the attention function (`flash_attention` for "softmax",
-        `stick_breaking_attention` for "stick_breaking"), `implementation` aside. decay: the
-        decay to use (the learned one where learn_decay)."""
+        `stick_breaking_attention` for "stick_breaking", `dilated_attention` for "dilated"),
+        `implementation` aside. decay: the decay to use (the learned one where learn_decay)."""
+        if self.attention == "dilated":
+            return self.dilated.attention_kwargs()
         kwargs = dict(rope=self.rope, positions=positions) if self.position == "rope" else {}
         if self.attention == "stick_breaking":
             return dict(kwargs, decay=self.decay if decay is None else decay)
@@ -109,35 +183,65 @@ def check_positions_shape(shape, batch: int, length: int) -> None:
 
 def check_layer_args(d_model, num_heads, num_kv_heads=None, *, attention="softmax", position="none",
                      rope=Rope(), causal=False, window=None, softcap=None, decay=0.0,
-                     learn_decay=False) -> LayerSpec:
+                     learn_decay=False, segment_lengths=None, dilation_rates=None, merge="lse") -> LayerSpec:
     """Validate a self-attention layer's arguments (with the layers' defaults); -> the `LayerSpec`.
     Where position != "rope", rope must be the default `Rope()` or None."""
     d_model = positive_int("d_model", d_model)
+    return _check(d_model, d_model, d_model, num_heads, num_kv_heads, ("d_model", "d_model"), attention=attention,
+                  position=position, rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
+                  learn_decay=learn_decay, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                  merge=merge)
+
+
+def check_multihead_args(num_heads, in_features, qkv_features=None, out_features=None, num_kv_heads=None,
+                         **kwargs) -> LayerSpec:
+    """`check_layer_args` for the layers with flax.nnx.MultiHeadAttention's widths: inputs of
+    in_features, q of qkv_features (default in_features; head dim qkv_features // num_heads, k
+    and v num_kv_heads of them), output of out_features (default in_features). kwargs: the
+    keyword arguments of `check_layer_args`."""
+    in_features = positive_int("in_features", in_features)
+    qkv = in_features if qkv_features is None else positive_int("qkv_features", qkv_features)
+    out = in_features if out_features is None else positive_int("out_features", out_features)
+    names = ("in_features", "in_features" if qkv_features is None else "qkv_features")
+    return _check(in_features, qkv, out, num_heads, num_kv_heads, names, **kwargs)
+
+
+def _is_neutral(value, neutral) -> bool:
+    return value is None if neutral is None else value is not None and value == neutral
+
+
+def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, *, attention="softmax",
+           position="none", rope=Rope(), causal=False, window=None, softcap=None, decay=0.0, learn_decay=False,
+           segment_lengths=None, dilation_rates=None, merge="lse") -> LayerSpec:
+    """names: what the caller calls (the input width, the q width)."""
+    width_name, qkv_name = names
     num_heads = positive_int("num_heads", num_heads)
     num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown attention={attention!r}; choose one of {ATTENTIONS}")
     if position not in POSITIONS:
         raise ValueError(f"unknown position={position!r}; choose one of {POSITIONS}")
-    if d_model % num_heads:
-        raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+    if qkv_features % num_heads:
+        raise ValueError(f"{qkv_name} ({qkv_features}) must be divisible by num_heads ({num_heads})")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    head_dim = d_model // num_heads
+    head_dim = qkv_features // num_heads
     if position == "absolute" and d_model % 2:
-        raise ValueError(f"position='absolute' needs an even d_model, got d_model={d_model}")
+        raise ValueError(f"position='absolute' needs an even {width_name}, got {width_name}={d_model}")
     if position == "rope":
         if not isinstance(rope, Rope):
             raise TypeError(f"rope must be a Rope (attn_spec.rope.Rope, exported as jax_attn.Rope and "
                             f"torch_ref.Rope), got {type(rope).__name__}")
         if head_dim % 2:
-            raise ValueError(f"position='rope' needs an even head dim, got d_model / num_heads = {head_dim}")
+            raise ValueError(f"position='rope' needs an even head dim, got {qkv_name} / num_heads = {head_dim}")
     elif rope is not None and rope != Rope():
         raise ValueError(f"rope={rope!r} applies to position='rope' only, not position={position!r}")
     if not isinstance(decay, numbers.Real) or isinstance(decay, bool) or not 0 <= decay < math.inf:
         raise ValueError(f"decay must be a finite float >= 0, got decay={decay!r}")
-    given = dict(window=window, softcap=softcap, decay=decay, learn_decay=learn_decay)
-    unused = [f"{name}={given[name]!r}" for name, neutral in UNUSED_BY[attention].items() if given[name] != neutral]
+    given = dict(window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
+                 segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge)
+    unused = [f"{name}={given[name]!r}" for name, neutral in UNUSED_BY[attention].items()
+              if not _is_neutral(given[name], neutral)]
     if unused:
         raise ValueError(f"attention={attention!r} does not take {', '.join(unused)}")
     if attention == "stick_breaking":
@@ -146,6 +250,10 @@ def check_layer_args(d_model, num_heads, num_kv_heads=None, *, attention="softma
         if learn_decay and decay <= 0:
             raise ValueError("learn_decay=True needs decay > 0: the learned decay softplus(decay_logit) "
                              "starts at decay and can never be exactly 0")
+    dilated = None
+    if attention == "dilated":
+        dilated = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge,
+                                     num_heads=num_heads)
     return LayerSpec(d_model, num_heads, num_kv_heads, head_dim, attention, position,
                      rope if position == "rope" else None, bool(causal), window, softcap, float(decay),
-                     bool(learn_decay))
+                     bool(learn_decay), dilated, qkv_features, out_features, width_name)

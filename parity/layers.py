@@ -1,12 +1,14 @@
 """Layer-level parity: `jax_attn.nn.layers` against their `torch_ref.nn.layers` twins, and a training run.
 
-Layer cases (`kind` "attention" = MultiHeadSelfAttention, "encoder" = EncoderBlock), for the
-attention kinds "softmax", "stick_breaking" and the position schemes "none", "absolute", "rope":
+Layer cases (`kind` "attention" = MultiHeadSelfAttention, "encoder" = EncoderBlock, "dilated_mha" =
+MultiheadDilatedAttention, "dilated" = DilatedAttention), for the attention kinds "softmax",
+"stick_breaking", "dilated" and the position schemes "none", "absolute", "rope":
 the Flax layer is built from the case's seed (every parameter then shifted by seeded noise, so
 biases and LayerNorm parameters are not 0/1 and a swapped copy could not go unnoticed), copied to
 the torch twin by `parity.bridge`; identical
 NumPy input x and output cotangent go to both; compared are the output, dx and the gradient of
-EVERY parameter (quantity "d <torch name>"), each with the tolerance rule of `parity.tolerance`:
+EVERY parameter (quantity "d <torch name>"), each with the tolerance rule of `parity.tolerance`
+(the weightless DilatedAttention takes q, k, v [B, S, H(kv), D]: out, dq, dk, dv):
   golden = the torch twin in float64, implementation="eager" (weights copied as float64);
   naive  = the plain implementations in the compute dtype ("xla" / "eager"; for the kernels the
            larger of the two frameworks' errors, see `check_layer_case`);
@@ -17,15 +19,15 @@ float64 ("xla", weights from the torch golden through `torch_to_flax`) agrees wi
 1e-10: the cross-framework check of the layers' definitions (PE, RoPE, LayerNorm, GELU, heads).
 
 The training cases ("train"): a tiny encoder (embedding-free: 2 EncoderBlocks + a linear head,
-d_model 32, 4 heads, seq 16, batch 4, causal; softmax with absolute positions, or stick-breaking
-with RoPE and a learned per-head decay) regresses a synthetic target
-(the running mean of the first input features, which needs attention) with plain SGD, 20 steps,
-the same learning rate, identical initial weights (bridge) and identical batches in both
-frameworks; the loss of every step must pass the rule (golden: the float64 torch eager run; one
+d_model 32, 4 heads, seq 16, batch 4, causal; softmax with absolute positions, stick-breaking
+with RoPE and a learned per-head decay, or dilated attention with absolute positions) regresses a
+synthetic target (the running mean of the first input features, which needs attention) with plain
+SGD, 20 steps, the same learning rate, identical initial weights (bridge) and identical batches in
+both frameworks; the loss of every step must pass the rule (golden: the float64 torch eager run; one
 allowance for the whole trajectory, see `_training_rows`), and the float64 JAX run must agree
 with the golden to 1e-10 at every step.
 
-CPU cost (the kernels run through interpreters there): only cases with `cpu_kernels=True` -- three
+CPU cost (the kernels run through interpreters there): only cases with `cpu_kernels=True` -- seven
 layer cases -- run "jax pallas_triton" / "torch triton" on CPU; on a GPU every case runs them.
 The training run on CPU uses the plain implementations only ("xla", "eager", plus the row
 "jax xla (naive: torch eager)"): through the interpreter the Triton kernels need ~1 s per
@@ -79,13 +81,15 @@ PARAM_NOISE = 0.1
 @dataclasses.dataclass(frozen=True)
 class LayerCase:
     name: str
-    kind: str  # "attention" | "encoder" | "train"
+    kind: str  # "attention" | "encoder" | "train" | "dilated_mha" | "dilated"
     position: str  # "none" | "absolute" | "rope"
-    shape: tuple[int, int, int, int, int]  # batch, seq, d_model, num_heads, num_kv_heads
-    attention: str = "softmax"  # "softmax" | "stick_breaking"
+    shape: tuple[int, int, int, int, int]  # batch, seq, d_model (in_features), num_heads, num_kv_heads
+    attention: str = "softmax"  # "softmax" | "stick_breaking" | "dilated"
     d_ff: int = 64
     dtype: str = "float32"
-    kwargs: tuple[tuple[str, Any], ...] = ()  # causal / window / softcap / decay / learn_decay
+    # causal / window / softcap / decay / learn_decay / segment_lengths / dilation_rates / merge;
+    # qkv_features / out_features ("dilated_mha"); scale ("dilated")
+    kwargs: tuple[tuple[str, Any], ...] = ()
     rope_style: str = "interleaved"  # position="rope": Rope(style=...) in both frameworks
     packed: bool = False  # segment ids + positions restarting in every segment
     cpu_kernels: bool = False  # run the fast (interpreted) implementations on CPU too
@@ -100,11 +104,26 @@ class LayerCase:
 
     def layer_kwargs(self) -> dict:
         """Constructor keywords of the twins (the same in both frameworks: `Rope` is shared)."""
-        kwargs = dict(num_kv_heads=self.shape[4], attention=self.attention, position=self.position,
-                      **dict(self.kwargs))
+        if self.kind == "dilated":
+            return dict(self.kwargs)
+        kwargs = dict(num_kv_heads=self.shape[4], position=self.position, **dict(self.kwargs))
+        if self.kind != "dilated_mha":
+            kwargs["attention"] = self.attention
         if self.position == "rope":
             kwargs["rope"] = Rope(style=self.rope_style)
         return kwargs
+
+    def input_gradients(self) -> tuple[str, ...]:
+        """The names of the input gradients compared."""
+        return ("dq", "dk", "dv") if self.kind == "dilated" else ("dx",)
+
+    def call_kwargs(self, segment_ids, positions) -> dict:
+        """The keyword arguments of the layer's call."""
+        if self.kind == "dilated":
+            return {}
+        if self.kind == "dilated_mha":
+            return dict(positions=positions)
+        return dict(segment_ids=segment_ids, positions=positions)
 
 
 def _case(name, kind, position, shape, **kw) -> LayerCase:
@@ -133,6 +152,24 @@ LAYER_CASES: list[LayerCase] = [
           kwargs=(("causal", True), ("decay", 0.03))),
     _case("train_encoder_sb_rope", "train", "rope", (4, 16, 32, 4, 2), attention="stick_breaking",
           kwargs=(("causal", True), ("decay", 0.1), ("learn_decay", True))),
+    # dilated attention: the weightless layer, the multi-head layer, the encoder block, a training run
+    _case("layer_dilated_lse_gqa", "dilated", "none", (2, 16, 32, 4, 2), attention="dilated",
+          kwargs=(("segment_lengths", (4, 8)), ("dilation_rates", (1, 2))), cpu_kernels=True),
+    _case("layer_dilated_head_groups_causal_odd", "dilated", "none", (2, 13, 32, 4, 1), attention="dilated",
+          kwargs=(("segment_lengths", (4, 9)), ("dilation_rates", (1, 3)), ("merge", "head_groups"),
+                  ("causal", True), ("scale", 0.3)), cpu_kernels=True),
+    _case("layer_mdilated_lse_causal_odd", "dilated_mha", "absolute", (2, 15, 24, 4, 2), attention="dilated",
+          kwargs=(("qkv_features", 32), ("out_features", 20), ("segment_lengths", (4, 8)),
+                  ("dilation_rates", (1, 2)), ("causal", True)), cpu_kernels=True, quick=True),
+    _case("layer_mdilated_head_groups_rope", "dilated_mha", "rope", (2, 16, 32, 4, 2), attention="dilated",
+          kwargs=(("segment_lengths", (4, 16)), ("dilation_rates", (1, 2)), ("merge", "head_groups"))),
+    _case("layer_encoder_dilated_head_groups_causal_odd", "encoder", "none", (2, 17, 32, 4, 2), attention="dilated",
+          kwargs=(("segment_lengths", (8, 16)), ("dilation_rates", (2, 4)), ("merge", "head_groups"),
+                  ("causal", True)), cpu_kernels=True),
+    _case("layer_encoder_dilated_rope_half", "encoder", "rope", (2, 16, 32, 4, 1), attention="dilated",
+          rope_style="half", kwargs=(("segment_lengths", (4, 8, 16)), ("dilation_rates", (1, 2, 4)))),
+    _case("train_encoder_dilated", "train", "absolute", (4, 16, 32, 4, 2), attention="dilated",
+          kwargs=(("causal", True), ("segment_lengths", (4, 16)), ("dilation_rates", (1, 2)))),
 ]
 
 
@@ -140,12 +177,16 @@ LAYER_CASES: list[LayerCase] = [
 # Inputs and models
 # ------------------------------------------------------------------------------------------------
 def draw_inputs(case: LayerCase):
-    """Seeded float64 x [B, S, d_model], cotangent [B, S, d_model], segment ids and positions
-    (int32 [B, S] or None)."""
+    """Seeded float64 inputs (a tuple: (x [B, S, d_model],), or (q, k, v) [B, S, H(kv), D] for
+    kind "dilated"), the output cotangent, segment ids and positions (int32 [B, S] or None)."""
     rng = np.random.default_rng(case.seed)
-    batch, seq, d_model = case.shape[:3]
+    batch, seq, d_model, heads, kv_heads = case.shape
+    if case.kind == "dilated":
+        head_dim = d_model // heads
+        qkv = tuple(rng.standard_normal((batch, seq, h, head_dim)) for h in (heads, kv_heads, kv_heads))
+        return qkv, rng.standard_normal((batch, seq, heads, head_dim)), None, None
     x = rng.standard_normal((batch, seq, d_model))
-    ct = rng.standard_normal((batch, seq, d_model))
+    ct = rng.standard_normal((batch, seq, dict(case.kwargs).get("out_features", d_model)))
     seg = pos = None
     if case.packed:
         seg = np.zeros((batch, seq), np.int32)
@@ -157,7 +198,7 @@ def draw_inputs(case: LayerCase):
             pos[b] = np.arange(seq) - starts
         if case.position == "none":
             pos = None  # position="none" takes no positions
-    return x, ct, seg, pos
+    return (x,), ct, seg, pos
 
 
 class FlaxTinyEncoder(nnx.Module):
@@ -206,6 +247,11 @@ def build_flax(case: LayerCase, implementation: str, dtype: str = "float32"):
     if case.kind == "attention":
         return jl.MultiHeadSelfAttention(d_model, heads, implementation=implementation, dtype=jdt,
                                          param_dtype=jdt, rngs=rngs, **case.layer_kwargs())
+    if case.kind == "dilated_mha":
+        return jl.MultiheadDilatedAttention(heads, d_model, implementation=implementation, dtype=jdt,
+                                            param_dtype=jdt, rngs=rngs, **case.layer_kwargs())
+    if case.kind == "dilated":
+        return jl.DilatedAttention(implementation=implementation, **case.layer_kwargs())
     raise ValueError(f"unknown layer case kind={case.kind!r}")
 
 
@@ -220,6 +266,11 @@ def build_torch(case: LayerCase, implementation: str, dtype: str, device):
     if case.kind == "attention":
         return tl.MultiHeadSelfAttention(d_model, heads, implementation=implementation, dtype=tdt,
                                          param_dtype=tdt, device=device, **case.layer_kwargs())
+    if case.kind == "dilated_mha":
+        return tl.MultiheadDilatedAttention(heads, d_model, implementation=implementation, dtype=tdt,
+                                            param_dtype=tdt, device=device, **case.layer_kwargs())
+    if case.kind == "dilated":
+        return tl.DilatedAttention(implementation=implementation, **case.layer_kwargs())
     raise ValueError(f"unknown layer case kind={case.kind!r}")
 
 
@@ -275,37 +326,36 @@ def _np64(x) -> np.ndarray:
 
 
 def run_jax_layer(module, case: LayerCase, dtype: str, inputs) -> dict[str, np.ndarray]:
-    """{"out", "dx", "d <torch name>"...} (float64 NumPy) from a Flax layer: output and the vjp
-    with the case's cotangent."""
-    x, ct, seg, pos = inputs
+    """{"out", "dx" (or "dq", "dk", "dv"), "d <torch name>"...} (float64 NumPy) from a Flax layer:
+    output and the vjp with the case's cotangent."""
+    xs, ct, seg, pos = inputs
     jdt = JAX_DTYPES[dtype]
-    seg_j = None if seg is None else jnp.asarray(seg)
-    pos_j = None if pos is None else jnp.asarray(pos)
+    call_kwargs = case.call_kwargs(None if seg is None else jnp.asarray(seg), None if pos is None else jnp.asarray(pos))
     graphdef, state = nnx.split(module)
 
     @jax.jit
-    def fwd_bwd(state, x, ct):
-        f = lambda state, x: nnx.merge(graphdef, state)(x, segment_ids=seg_j, positions=pos_j)
-        out, vjp = jax.vjp(f, state, x)
-        dstate, dx = vjp(ct)
-        return out, dstate, dx
+    def fwd_bwd(state, xs, ct):
+        f = lambda state, *xs: nnx.merge(graphdef, state)(*xs, **call_kwargs)
+        out, vjp = jax.vjp(f, state, *xs)
+        dstate, *dxs = vjp(ct)
+        return out, dstate, dxs
 
-    out, dstate, dx = fwd_bwd(state, jnp.asarray(x, jdt), jnp.asarray(ct, jdt))
-    result = {"out": _np64(out), "dx": _np64(dx)}
+    out, dstate, dxs = fwd_bwd(state, tuple(jnp.asarray(x, jdt) for x in xs), jnp.asarray(ct, jdt))
+    result = {"out": _np64(out), **{name: _np64(g) for name, g in zip(case.input_gradients(), dxs)}}
     result.update({f"d {name}": g for name, g in bridge.flax_tree_in_torch_layout(module, dstate).items()})
     return result
 
 
 def run_torch_layer(module, case: LayerCase, dtype: str, inputs, device) -> dict[str, np.ndarray]:
-    x, ct, seg, pos = inputs
+    xs, ct, seg, pos = inputs
     tdt = TORCH_DTYPES[dtype]
-    xt = torch.tensor(x, dtype=tdt, device=device, requires_grad=True)
+    xts = tuple(torch.tensor(x, dtype=tdt, device=device, requires_grad=True) for x in xs)
     ids = lambda a: None if a is None else torch.tensor(a, dtype=torch.int32, device=device)
-    out = module(xt, segment_ids=ids(seg), positions=ids(pos))
-    names, params = zip(*module.named_parameters())
-    grads = torch.autograd.grad(out, (xt, *params), torch.tensor(ct, dtype=tdt, device=device))
-    result = {"out": _np64(out), "dx": _np64(grads[0])}
-    result.update({f"d {name}": _np64(g) for name, g in zip(names, grads[1:])})
+    out = module(*xts, **case.call_kwargs(ids(seg), ids(pos)))
+    named = list(module.named_parameters())
+    grads = torch.autograd.grad(out, (*xts, *(p for _, p in named)), torch.tensor(ct, dtype=tdt, device=device))
+    result = {"out": _np64(out), **{name: _np64(g) for name, g in zip(case.input_gradients(), grads)}}
+    result.update({f"d {name}": _np64(g) for (name, _), g in zip(named, grads[len(xts):])})
     return result
 
 

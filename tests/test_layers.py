@@ -28,13 +28,15 @@ from flax import nnx  # noqa: E402
 from torch import nn  # noqa: E402
 
 import attn_spec.positions as sp  # noqa: E402
+import jax_attn  # noqa: E402
 import jax_attn.nn.layers as jl  # noqa: E402
 import jax_attn.nn.positions as jp  # noqa: E402
 import jax_attn.ops.common.rope as jrope  # noqa: E402
+import torch_ref  # noqa: E402
 import torch_ref.nn.layers as tl  # noqa: E402
 import torch_ref.nn.positions as tp  # noqa: E402
 import torch_ref.ops.common.rope as trope  # noqa: E402
-from attn_spec.layers import check_layer_args  # noqa: E402
+from attn_spec.layers import check_dilated_args, check_layer_args, check_multihead_args  # noqa: E402
 from attn_spec.rope import Rope  # noqa: E402
 from parity import bridge  # noqa: E402
 from parity import layers as pl  # noqa: E402
@@ -320,9 +322,10 @@ def test_layer_parity_case(case):
     assert {"golden torch-f64 vs jax-f64", "jax xla", "torch eager"} <= impls
     if case.kind == "train":
         assert "jax xla (naive: torch eager)" in impls
-    if case.kind != "train":  # every parameter gradient and dx are compared
+    if case.kind != "train":  # every parameter gradient and the input gradients are compared
         names = {f"d {n}" for n, _ in pl.build_torch(case, "eager", "float32", DEVICE).named_parameters()}
-        assert names | {"out", "dx"} <= {r["quantity"] for r in rows if r["impl"] == "torch eager"}
+        wanted = names | {"out", *case.input_gradients()}
+        assert wanted <= {r["quantity"] for r in rows if r["impl"] == "torch eager"}
     if case.cpu_kernels or DEVICE == "cuda":
         assert {"jax pallas_triton", "torch triton"} <= impls
 
@@ -344,7 +347,7 @@ FRAMEWORKS = {
     ((32, 4), dict(position="exposb"), ValueError,
      r"unknown position='exposb'; choose one of \('none', 'absolute', 'rope'\)"),
     ((32, 4), dict(attention="flash"), ValueError,
-     r"unknown attention='flash'; choose one of \('softmax', 'stick_breaking'\)"),
+     r"unknown attention='flash'; choose one of \('softmax', 'stick_breaking', 'dilated'\)"),
     ((30, 4), {}, ValueError, r"d_model \(30\) must be divisible by num_heads \(4\)"),
     ((32, 4), dict(num_kv_heads=3), ValueError, r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
     ((32, 0), {}, ValueError, r"num_heads must be a positive int"),
@@ -486,3 +489,289 @@ def test_attention_fn_refuses_what_it_cannot_honour():
     with pytest.raises(NotImplementedError, match="precision"):
         fn(q, q, q, precision="tensorfloat32")
     np.testing.assert_array_equal(np.asarray(fn(q, q, q, precision="highest")), np.ones((1, 5, 2, 8)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Dilated layers: DilatedAttention, MultiheadDilatedAttention, EncoderBlock(attention="dilated")
+# ------------------------------------------------------------------------------------------------
+DIL = dict(segment_lengths=(4, 8), dilation_rates=(1, 2))
+
+
+def _jit(module, *args, **kwargs):
+    """module(*args, **kwargs) compiled once: op-by-op dispatch of the plain dilated path costs
+    seconds on CPU."""
+    return nnx.jit(lambda m, *a: m(*a, **kwargs))(module, *args)
+
+
+def _mda_pair(num_heads=4, in_features=24, qkv_features=32, out_features=20, num_kv_heads=2, seed=0, **kw):
+    """A perturbed fp32 MultiheadDilatedAttention ("xla") and its torch twin ("eager"), same weights."""
+    kw = {**DIL, **kw}
+    f = jl.MultiheadDilatedAttention(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                                     implementation="xla", rngs=nnx.Rngs(seed), **kw)
+    t = tl.MultiheadDilatedAttention(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                                     implementation="eager", device=DEVICE, **kw)
+    pl.perturb(f, seed + 1)
+    bridge.flax_to_torch(f, t)
+    return f, t
+
+
+def test_dilated_layers_are_exported():
+    assert jax_attn.DilatedAttention is jl.DilatedAttention and torch_ref.DilatedAttention is tl.DilatedAttention
+    assert jax_attn.MultiheadDilatedAttention is jl.MultiheadDilatedAttention
+    assert torch_ref.MultiheadDilatedAttention is tl.MultiheadDilatedAttention
+    assert {"DilatedAttention", "MultiheadDilatedAttention"} <= set(jax_attn.__all__) & set(torch_ref.__all__)
+
+
+@pytest.mark.parametrize("merge,causal", [("lse", False), ("head_groups", True)])
+def test_dilated_attention_layer_is_the_function(merge, causal):
+    """The weightless layer calls dilated_attention with its configuration (scale included)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 13, h, 8)).astype(np.float32) for h in (4, 2, 2))
+    cfg = dict(DIL, causal=causal, merge=merge, scale=0.4)
+    f = jl.DilatedAttention(**cfg, implementation="xla")
+    t = tl.DilatedAttention(**cfg, implementation="eager")
+    got, lse = _jit(f, *map(jnp.asarray, (q, k, v)), return_lse=True)
+    want = jax.jit(lambda *a: jax_attn.dilated_attention(*a, **cfg, implementation="xla"))(*map(jnp.asarray, (q, k, v)))
+    assert got.shape == (2, 13, 4, 8) and lse.shape == (2, 4, 13)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    tq, tk, tv = (torch.tensor(a, device=DEVICE) for a in (q, k, v))
+    np.testing.assert_array_equal(t(tq, tk, tv).cpu().numpy(),
+                                  torch_ref.dilated_attention(tq, tk, tv, **cfg, implementation="eager").cpu().numpy())
+    np.testing.assert_allclose(t(tq, tk, tv).cpu().numpy(), np.asarray(got), atol=2e-6, rtol=0)
+    assert f.spec == t.spec == check_dilated_args(**cfg)
+    assert not list(t.parameters()) and not _flax_params(f)  # no weights
+    assert bridge.param_pairs(f, t) == []
+
+
+def test_multihead_dilated_shapes_and_parameters():
+    """nnx.MultiHeadAttention's widths: q of qkv_features, k/v of num_kv_heads * head_dim, output of
+    out_features; the same parameter names and (transposed) shapes in both frameworks."""
+    f, t = _mda_pair()
+    shapes = {n: tuple(p.shape) for n, p in t.named_parameters()}
+    assert shapes == {"q_proj.weight": (32, 24), "q_proj.bias": (32,), "k_proj.weight": (16, 24),
+                      "k_proj.bias": (16,), "v_proj.weight": (16, 24), "v_proj.bias": (16,),
+                      "out_proj.weight": (20, 32), "out_proj.bias": (20,)}
+    pairs = bridge.param_pairs(f, t)
+    assert len(pairs) == 8 and {name for _, name, tr in pairs if tr} == {f"{p}.weight" for p in
+                                                                        ("q_proj", "k_proj", "v_proj", "out_proj")}
+    assert isinstance(f.q_proj, nnx.Linear) and f.spec == t.spec and f.spec.head_dim == 8
+    x = np.random.default_rng(0).standard_normal((2, 11, 24)).astype(np.float32)
+    got = _jit(f, jnp.asarray(x))
+    want = t(torch.tensor(x, device=DEVICE))
+    assert got.shape == tuple(want.shape) == (2, 11, 20)
+    np.testing.assert_allclose(np.asarray(got), want.detach().cpu().numpy(), atol=2e-5, rtol=0)
+    defaults = jl.MultiheadDilatedAttention(4, 24, rngs=nnx.Rngs(0), **DIL)  # qkv/out features default to in
+    assert defaults.q_proj.kernel.get_value().shape == defaults.out_proj.kernel.get_value().shape == (24, 24)
+    no_bias = tl.MultiheadDilatedAttention(4, 24, use_bias=False, **DIL)
+    assert all(p.ndim == 2 for p in no_bias.parameters())
+
+
+@pytest.mark.parametrize("position,kwargs", [
+    ("absolute", dict(causal=True)),
+    ("rope", dict(merge="head_groups", rope=Rope(style="half"))),
+    ("none", dict(segment_lengths=(3, 16), dilation_rates=(3, 4), causal=True, num_kv_heads=1)),
+])
+def test_multihead_dilated_twins_agree(position, kwargs):
+    """Separate key/value inputs and explicit (unsorted) positions: the twins agree; self-attention
+    (inputs_k = inputs_v = inputs_q by default) is the same layer called on x three times."""
+    kv = kwargs.pop("num_kv_heads", 2)
+    f, t = _mda_pair(num_kv_heads=kv, position=position, **kwargs)
+    rng = np.random.default_rng(7)
+    xq, xk, xv = (rng.standard_normal((2, 13, 24)).astype(np.float32) for _ in range(3))
+    pos = rng.integers(0, 40, (2, 13)).astype(np.int32) if position != "none" else None
+    jpos = None if pos is None else jnp.asarray(pos)
+    tpos = None if pos is None else torch.tensor(pos, device=DEVICE)
+    got = _jit(f, jnp.asarray(xq), jnp.asarray(xk), jnp.asarray(xv), positions=jpos)
+    want = t(*(torch.tensor(a, device=DEVICE) for a in (xq, xk, xv)), positions=tpos)
+    np.testing.assert_allclose(np.asarray(got), want.detach().cpu().numpy(), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(_jit(f, jnp.asarray(xq), positions=jpos)),
+                               np.asarray(_jit(f, *(jnp.asarray(xq),) * 3, positions=jpos)), atol=1e-6, rtol=0)
+    xt = torch.tensor(xq, device=DEVICE)
+    torch.testing.assert_close(t(xt, positions=tpos), t(xt, xt, xt, positions=tpos), rtol=0, atol=0)
+
+
+def test_multihead_dilated_rope_rotates_q_and_k_outside_the_kernel():
+    """position="rope" on dilated attention: q and k rotated (plain apply_rope) at the positions
+    (default 0 .. S-1), then dilated_attention."""
+    f, _ = _mda_pair(qkv_features=32, out_features=24, position="rope", causal=True)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((2, 12, 24)), jnp.float32)
+
+    @nnx.jit
+    def by_hand(f, x):
+        q, k, v = (p(x).reshape(2, 12, h, 8) for p, h in ((f.q_proj, 4), (f.k_proj, 2), (f.v_proj, 2)))
+        q, k = jax_attn.apply_rope(q, None, Rope()), jax_attn.apply_rope(k, None, Rope())
+        o = jax_attn.dilated_attention(q, k, v, **DIL, causal=True, implementation="xla")
+        return f.out_proj(o.reshape(2, 12, 32))
+
+    want = by_hand(f, x)
+    np.testing.assert_allclose(np.asarray(_jit(f, x)), np.asarray(want), atol=1e-6, rtol=0)
+    arange = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+    np.testing.assert_allclose(np.asarray(_jit(f, x, positions=arange)), np.asarray(want), atol=1e-6, rtol=0)
+
+
+def test_self_attention_with_attention_dilated_is_the_multihead_layer():
+    """MultiHeadSelfAttention(d_model, H, attention="dilated") = MultiheadDilatedAttention(H, d_model)
+    with the same weights (the encoder block's attention)."""
+    cfg = dict(DIL, merge="head_groups", causal=True, position="absolute")
+    mhsa = jl.MultiHeadSelfAttention(32, 4, num_kv_heads=2, attention="dilated", implementation="xla",
+                                     rngs=nnx.Rngs(0), **cfg)
+    mda = jl.MultiheadDilatedAttention(4, 32, num_kv_heads=2, implementation="xla", rngs=nnx.Rngs(1), **cfg)
+    nnx.update(mda, nnx.state(mhsa, nnx.Param))
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 10, 32)), jnp.float32)
+    out = _jit(mhsa, x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_jit(mda, x)))
+    t = tl.MultiheadDilatedAttention(4, 32, num_kv_heads=2, implementation="eager", device=DEVICE, **cfg)
+    bridge.flax_to_torch(mhsa, t)  # the same parameter names: the bridge maps one onto the other
+    np.testing.assert_allclose(t(torch.tensor(np.asarray(x), device=DEVICE)).detach().cpu().numpy(),
+                               np.asarray(out), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("position,merge", [("none", "lse"), ("rope", "head_groups"), ("absolute", "lse")])
+def test_encoder_block_dilated(position, merge):
+    f, t = _pair("encoder", position, attention="dilated", merge=merge, causal=merge == "lse", **DIL)
+    assert f.attn.spec.attention == "dilated" and f.attn.spec.dilated.merge == merge
+    assert f.attn.spec == t.attn.spec
+    x = np.random.default_rng(10).standard_normal((2, 15, 32)).astype(np.float32)
+    got = _jit(f, jnp.asarray(x))
+    want = t(torch.tensor(x, device=DEVICE))
+    assert got.shape == (2, 15, 32)
+    np.testing.assert_allclose(np.asarray(got), want.detach().cpu().numpy(), atol=2e-5, rtol=0)
+
+
+def test_bridge_round_trip_dilated_layers_is_exact():
+    f, t = _mda_pair(position="absolute")
+    original = _flax_params(f)
+    g = jl.MultiheadDilatedAttention(4, 24, 32, 20, 2, position="absolute", rngs=nnx.Rngs(99), **DIL)
+    bridge.torch_to_flax(t, g)
+    for path, value in _flax_params(g).items():
+        np.testing.assert_array_equal(value, original[path], err_msg=str(path))
+    t64 = tl.MultiheadDilatedAttention(4, 24, 32, 20, 2, position="absolute", dtype=torch.float64,
+                                       param_dtype=torch.float64, device=DEVICE, **DIL)
+    bridge.flax_to_torch(g, t64)
+    h = jl.MultiheadDilatedAttention(4, 24, 32, 20, 2, position="absolute", rngs=nnx.Rngs(7), **DIL)
+    bridge.torch_to_flax(t64, h)
+    for path, value in _flax_params(h).items():
+        assert value.dtype == np.float32
+        np.testing.assert_array_equal(value, original[path], err_msg=str(path))
+    fe, te = _pair("encoder", "rope", attention="dilated", **DIL)
+    ge = jl.EncoderBlock(32, 4, 48, num_kv_heads=2, position="rope", attention="dilated", rngs=nnx.Rngs(3), **DIL)
+    bridge.torch_to_flax(te, ge)
+    for path, value in _flax_params(ge).items():
+        np.testing.assert_array_equal(value, _flax_params(fe)[path], err_msg=str(path))
+    wrong = tl.MultiheadDilatedAttention(4, 24, 32, 24, 2, device=DEVICE, **DIL)  # other out_features
+    with pytest.raises(bridge.BridgeError, match=r"out_proj\.weight.*shape"):
+        bridge.flax_to_torch(f, wrong)
+
+
+DILATED_FRAMEWORKS = {
+    "jax": lambda *a, **kw: jl.MultiheadDilatedAttention(*a, rngs=nnx.Rngs(0), **kw),
+    "torch": lambda *a, **kw: tl.MultiheadDilatedAttention(*a, **kw),
+}
+
+
+@pytest.mark.parametrize("framework", DILATED_FRAMEWORKS)
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((4, 24), dict(DIL, qkv_features=30), r"qkv_features \(30\) must be divisible by num_heads \(4\)"),
+    ((4, 30), DIL, r"in_features \(30\) must be divisible by num_heads \(4\)"),
+    ((4, 0), DIL, r"in_features must be a positive int, got in_features=0"),
+    ((4, 24), dict(DIL, out_features=-1), r"out_features must be a positive int"),
+    ((4, 24), dict(DIL, num_kv_heads=3), r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
+    ((6, 24), dict(segment_lengths=(4, 8, 16, 32), dilation_rates=(1, 2, 4, 8), merge="head_groups"),
+     r"merge='head_groups' splits the 6 heads into one group per branch"),
+    ((4, 24), dict(DIL, merge="mean"), r"merge must be one of \('lse', 'head_groups'\), got 'mean'"),
+    ((4, 24), dict(segment_lengths=(4, 8), dilation_rates=(1,)), "segment_lengths and dilation_rates must have "
+                                                                 "the same count"),
+    ((4, 24), dict(segment_lengths=(4, 2), dilation_rates=(1, 4)), "rate 4 is larger than its segment length 2"),
+    ((4, 24), dict(segment_lengths=(4, 0), dilation_rates=(1, 1)), "segment_lengths must hold positive ints"),
+    ((4, 24), dict(segment_lengths=None, dilation_rates=(1, 2)), "dilated attention needs segment_lengths"),
+    ((4, 24), dict(segment_lengths=None, dilation_rates=None), "needs segment_lengths and dilation_rates"),
+    ((4, 24), dict(segment_lengths=8, dilation_rates=2), "segment_lengths must be a sequence of positive ints"),
+    ((4, 17), dict(DIL, position="absolute", qkv_features=16), "needs an even in_features, got in_features=17"),
+    ((4, 20), dict(DIL, position="rope", qkv_features=12), r"needs an even head dim, got qkv_features / num_heads = 3"),
+    ((4, 24), dict(DIL, causal="yes"), "causal must be a bool, got causal='yes'"),
+])
+def test_multihead_dilated_constructor_errors(framework, args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DILATED_FRAMEWORKS[framework](*args, **kwargs)
+
+
+@pytest.mark.parametrize("framework", DILATED_FRAMEWORKS)
+@pytest.mark.parametrize("args,kwargs", [
+    ((4, 24), dict(segment_lengths=(4, 8, 16, 32), dilation_rates=(1, 2, 4, 8), merge="head_groups")),  # H = K
+    ((4, 24), dict(segment_lengths=(4, 8), dilation_rates=(4, 8), causal=np.bool_(True))),  # rate = segment
+    ((4, 21, 12), dict(DIL, num_kv_heads=1)),  # MQA; odd in_features and head dim (3): fine without positions
+    ((4, 22, 8), dict(DIL, position="rope", out_features=1)),  # head dim 2: even
+])
+def test_multihead_dilated_constructor_boundaries_pass(framework, args, kwargs):
+    module = DILATED_FRAMEWORKS[framework](*args, **kwargs)
+    assert module.spec == check_multihead_args(*args, attention="dilated", **kwargs)
+
+
+@pytest.mark.parametrize("layer", ["jax", "torch"])
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(segment_lengths=(4, 8), dilation_rates=(1, 2, 4)), "must have the same count"),
+    (dict(segment_lengths=[], dilation_rates=[]), "segment_lengths must not be empty"),
+    (dict(DIL, merge="sum"), "merge must be one of"),
+    (dict(DIL, scale=0.0), r"scale must be a finite float > 0 or None \(D \*\* -0.5\), got scale=0.0"),
+    (dict(DIL, scale=float("inf")), "scale must be a finite float > 0"),
+    (dict(DIL, scale=True), "scale must be a finite float > 0"),
+    (dict(DIL, causal=None), "causal must be a bool, got causal=None"),
+])
+def test_dilated_attention_layer_errors(layer, kwargs, match):
+    cls = jl.DilatedAttention if layer == "jax" else tl.DilatedAttention
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+def test_dilated_attention_layer_head_count_checked_at_the_call():
+    cfg = dict(segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), merge="head_groups")
+    f, t = jl.DilatedAttention(**cfg, implementation="xla"), tl.DilatedAttention(**cfg, implementation="eager")
+    with pytest.raises(ValueError, match="merge='head_groups'"):
+        f(jnp.ones((1, 8, 4, 8)), jnp.ones((1, 8, 4, 8)), jnp.ones((1, 8, 4, 8)))
+    with pytest.raises(ValueError, match="merge='head_groups'"):
+        t(torch.ones(1, 8, 4, 8), torch.ones(1, 8, 4, 8), torch.ones(1, 8, 4, 8))
+    assert _jit(f, *(jnp.ones((1, 8, 6, 8)),) * 3).shape == (1, 8, 6, 8)  # 6 heads: 3 groups of 2
+    assert t(*(torch.ones(1, 8, 6, 8),) * 3).shape == (1, 8, 6, 8)
+
+
+@pytest.mark.parametrize("framework", ["jax", "jax-encoder", "torch", "torch-encoder"])
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(attention="dilated"), "dilated attention needs segment_lengths and dilation_rates"),
+    (dict(DIL, attention="dilated", window=(2, 2)), r"attention='dilated' does not take window=\(2, 2\)$"),
+    (dict(DIL, attention="dilated", softcap=3.0, decay=0.1),
+     r"attention='dilated' does not take softcap=3.0, decay=0.1$"),
+    (dict(DIL), r"attention='softmax' does not take segment_lengths=\(4, 8\), dilation_rates=\(1, 2\)$"),
+    (dict(merge="head_groups"), r"attention='softmax' does not take merge='head_groups'$"),
+    (dict(SB, segment_lengths=(4,)), r"attention='stick_breaking' does not take segment_lengths=\(4,\)$"),
+    (dict(attention="dilated", segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), merge="head_groups"),
+     "merge='head_groups' splits the 4 heads"),
+])
+def test_attention_dilated_constructor_errors(framework, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FRAMEWORKS[framework](32, 4, **kwargs)
+
+
+def test_dilated_call_errors():
+    f, t = _mda_pair()
+    x = np.zeros((2, 9, 24), np.float32)
+    with pytest.raises(ValueError, match=r"inputs_q must be \[batch, seq, in_features=24\], got shape \(2, 9, 32\)"):
+        f(jnp.zeros((2, 9, 32)))
+    with pytest.raises(ValueError, match=r"inputs_q must be \[batch, seq, in_features=24\]"):
+        t(torch.zeros(2, 9, 32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"inputs_k must be \[batch, seq, in_features\] = \(2, 9, 24\).*same "
+                                         r"sequence.*got shape \(2, 8, 24\)"):
+        f(jnp.asarray(x), jnp.zeros((2, 8, 24)))
+    with pytest.raises(ValueError, match=r"inputs_v must be \[batch, seq, in_features\]"):
+        t(torch.tensor(x, device=DEVICE), None, torch.zeros(1, 9, 24, device=DEVICE))
+    with pytest.raises(ValueError, match="position='none' does not use them"):
+        f(jnp.asarray(x), positions=jnp.zeros((2, 9), jnp.int32))
+    fa, ta = _mda_pair(position="rope")
+    with pytest.raises(ValueError, match="positions must have shape"):
+        fa(jnp.asarray(x), positions=jnp.zeros((2, 8), jnp.int32))
+    with pytest.raises(TypeError, match="integer"):
+        ta(torch.tensor(x, device=DEVICE), positions=torch.zeros(2, 9, device=DEVICE))
+    fe, te = _pair("attention", attention="dilated", **DIL)
+    with pytest.raises(ValueError, match="attention='dilated' takes no segment_ids"):
+        fe(jnp.zeros((1, 8, 32)), segment_ids=jnp.zeros((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match="attention='dilated' takes no segment_ids"):
+        te(torch.zeros(1, 8, 32, device=DEVICE), segment_ids=torch.zeros(1, 8, dtype=torch.int32, device=DEVICE))

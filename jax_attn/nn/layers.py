@@ -2,16 +2,22 @@
 
 * `MultiHeadSelfAttention`: q/k/v/out projections (`nnx.Linear`: `q_proj`, `k_proj`, `v_proj`,
   `out_proj`), heads in BSHD layout, the attention kernel, heads merged, projected.
+* `DilatedAttention`: no weights; `dilated_attention` on q, k, v [B, S, H, D] with the layer's
+  configuration (segment_lengths, dilation_rates, causal, merge, scale, implementation, config).
+* `MultiheadDilatedAttention`: the projections of `MultiHeadSelfAttention` (same names) around
+  `dilated_attention`, with `flax.nnx.MultiHeadAttention`'s arguments (num_heads, in_features,
+  qkv_features, out_features, num_kv_heads; called on inputs_q[, inputs_k, inputs_v]).
 * `EncoderBlock`: BERT-style post-LN block, x = LN(x + attn(x)); x = LN(x + MLP(x)), MLP =
   Linear(d_model, d_ff) -> GELU (tanh approximation) -> Linear(d_ff, d_model).
 * `make_attention_fn` / `attention_fn`: run `flax.nnx.MultiHeadAttention(attention_fn=...)` on the
   kernels.
 
-The attention kind (`attention="softmax" | "stick_breaking"`: `jax_attn.flash_attention` or
-`jax_attn.stick_breaking_attention`) and the position scheme (`position="none" | "absolute" |
-"rope"`) are separate arguments; their meaning, which other arguments each takes and the checks
-are those of `attn_spec.layers`, shared with the PyTorch twins in `torch_ref.nn.layers` (same
-arguments, same submodule names). Parameters move between them with `parity.bridge`.
+The attention kind (`attention="softmax" | "stick_breaking" | "dilated"`: `jax_attn.flash_attention`,
+`jax_attn.stick_breaking_attention` or `jax_attn.dilated_attention`) and the position scheme
+(`position="none" | "absolute" | "rope"`) are separate arguments; their meaning, which other
+arguments each takes and the checks are those of `attn_spec.layers`, shared with the PyTorch twins
+in `torch_ref.nn.layers` (same arguments, same submodule names). Parameters move between them with
+`parity.bridge`.
 """
 from __future__ import annotations
 
@@ -21,13 +27,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn_spec.layers import (LAYER_NORM_EPS, check_layer_args, check_positions_shape, feed_forward_width,
-                              inverse_softplus)
-from jax_attn.api import flash_attention, stick_breaking_attention
+from attn_spec.layers import (LAYER_NORM_EPS, check_dilated_args, check_layer_args, check_multihead_args,
+                              check_positions_shape, feed_forward_width, inverse_softplus)
+from jax_attn.api import dilated_attention, flash_attention, stick_breaking_attention
 from jax_attn.nn.positions import sinusoidal_at, sinusoidal_positions
-from jax_attn.ops.common.rope import Rope
+from jax_attn.ops.common.rope import Rope, apply_rope
 
-ATTENTION_FUNCTIONS = {"softmax": flash_attention, "stick_breaking": stick_breaking_attention}
+ATTENTION_FUNCTIONS = {"softmax": flash_attention, "stick_breaking": stick_breaking_attention,
+                       "dilated": dilated_attention}
 
 
 class MultiHeadSelfAttention(nnx.Module):
@@ -36,13 +43,16 @@ class MultiHeadSelfAttention(nnx.Module):
     Args:
       d_model: model width; d_model % num_heads == 0, head dim = d_model // num_heads.
       num_heads: query heads. num_kv_heads: key/value heads (default num_heads), dividing num_heads.
-      attention: "softmax" (`flash_attention`) | "stick_breaking" (`stick_breaking_attention`).
+      attention: "softmax" (`flash_attention`) | "stick_breaking" (`stick_breaking_attention`) |
+        "dilated" (`dilated_attention`).
       position: "none" | "absolute" | "rope" (see `attn_spec.layers`).
       rope: the `Rope` config of position="rope".
       causal, window, softcap: the masks and score cap of attention="softmax"; stick-breaking
-        needs causal=True and takes no window or softcap.
+        needs causal=True and takes no window or softcap; dilated takes causal only.
       decay, learn_decay: the distance decay of attention="stick_breaking", fixed or learnable
         (a per-head `decay_logit` parameter, softplus(decay_logit) starts at decay > 0).
+      segment_lengths, dilation_rates, merge: the configuration of attention="dilated" (see
+        `dilated_attention`; merge "lse" or "head_groups").
       implementation: passed to the attention function unchanged.
       use_bias: biases in the four projections.
       dtype: compute dtype of the projections and the attention; param_dtype: parameter dtype.
@@ -54,15 +64,15 @@ class MultiHeadSelfAttention(nnx.Module):
                  attention: str = "softmax", position: str = "none", rope: Rope = Rope(),
                  causal: bool = False, window: tuple[int, int] | None = None,
                  softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
+                 segment_lengths=None, dilation_rates=None, merge: str = "lse",
                  implementation: str | None = None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
                                      rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
-                                     learn_decay=learn_decay)
+                                     learn_decay=learn_decay, segment_lengths=segment_lengths,
+                                     dilation_rates=dilation_rates, merge=merge)
         self.implementation, self.dtype = implementation, dtype
-        for name, (n_in, n_out) in self.spec.projections().items():
-            setattr(self, name, nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                                           rngs=rngs))
+        _add_projections(self, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if learn_decay:
             self.decay_logit = nnx.Param(jnp.full((num_heads,), inverse_softplus(decay), param_dtype))
 
@@ -73,20 +83,109 @@ class MultiHeadSelfAttention(nnx.Module):
         positions: int [B, S] token positions for "absolute" / "rope" (default 0 .. S-1);
           an error with position="none".
         """
-        spec = self.spec
-        batch, length = spec.check_call(x.shape, segment_ids=segment_ids, positions=positions)
-        if spec.position == "absolute":
-            if positions is None:
-                x = x + sinusoidal_positions(length, spec.d_model, x.dtype)[None]
-            else:
-                _check_positions(positions, batch, length)
-                x = x + sinusoidal_at(positions, spec.d_model, x.dtype)
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = (p(x).reshape(batch, length, h, spec.head_dim) for p, h in zip(projections, spec.qkv_heads()))
-        decay = jax.nn.softplus(self.decay_logit[...]) if spec.learn_decay else None
-        kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay)
-        out = ATTENTION_FUNCTIONS[spec.attention](q, k, v, implementation=self.implementation, **kwargs)
-        return self.out_proj(out.reshape(batch, length, spec.num_heads * spec.head_dim))
+        decay = jax.nn.softplus(self.decay_logit[...]) if self.spec.learn_decay else None
+        return _project_attend(self, (x, x, x), ("x",), segment_ids=segment_ids, positions=positions, decay=decay)
+
+
+def _add_projections(module, **linear_kwargs) -> None:
+    """The q/k/v/out `nnx.Linear` projections of `module.spec`."""
+    for name, (n_in, n_out) in module.spec.projections().items():
+        setattr(module, name, nnx.Linear(n_in, n_out, **linear_kwargs))
+
+
+def _distinct(fn, xs):
+    """fn applied to each of xs, once per distinct object (self-attention passes x three times)."""
+    done = {}
+    for x in xs:
+        if id(x) not in done:
+            done[id(x)] = fn(x)
+    return tuple(done[id(x)] for x in xs)
+
+
+def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, decay=None, config=None):
+    """The multi-head layers' computation on inputs (queries, keys, values) [B, S, d_model] (names:
+    the call's names for them, checked): absolute positions added, projected, split into heads,
+    RoPE outside the kernel where the attention has none fused, the attention, heads merged,
+    out-projected."""
+    spec = module.spec
+    batch, length = spec.check_call(inputs[0].shape, segment_ids=segment_ids, positions=positions, name=names[0])
+    for name, x in zip(names[1:], inputs[1:]):
+        spec.check_kv_input(name, x.shape, batch, length)
+    if positions is not None and (spec.position == "absolute" or spec.rope_outside_kernel):
+        _check_positions(positions, batch, length)
+    if spec.position == "absolute":
+        table = (sinusoidal_positions(length, spec.d_model, inputs[0].dtype)[None] if positions is None
+                 else sinusoidal_at(positions, spec.d_model, inputs[0].dtype))
+        inputs = _distinct(lambda x: x + table, inputs)
+    projections = (module.q_proj, module.k_proj, module.v_proj)
+    q, k, v = (p(x).reshape(batch, length, h, spec.head_dim)
+               for p, x, h in zip(projections, inputs, spec.qkv_heads()))
+    if spec.rope_outside_kernel:
+        q, k = apply_rope(q, positions, spec.rope), apply_rope(k, positions, spec.rope)
+    kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay)
+    if config is not None:
+        kwargs["config"] = config
+    out = ATTENTION_FUNCTIONS[spec.attention](q, k, v, implementation=module.implementation, **kwargs)
+    return module.out_proj(out.reshape(batch, length, spec.num_heads * spec.head_dim))
+
+
+class DilatedAttention(nnx.Module):
+    """Dilated attention (LongNet) as a module without weights: `dilated_attention(q, k, v)` with
+    the configuration given here.
+
+    Args: segment_lengths, dilation_rates (one entry per branch), causal, merge ("lse" |
+    "head_groups"), scale (default D ** -0.5), implementation and config: those of
+    `jax_attn.dilated_attention`, checked here (the head count against merge="head_groups" at
+    the call, where q brings it).
+    """
+
+    def __init__(self, segment_lengths, dilation_rates, *, causal: bool = False, merge: str = "lse",
+                 scale: float | None = None, implementation: str | None = None, config=None):
+        self.spec = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge, scale=scale)
+        self.implementation, self.config = implementation, config
+
+    def __call__(self, q, k, v, *, return_lse: bool = False):
+        """q [B, S, H, D], k, v [B, S, Hkv, D] -> out [B, S, H, D] (and lse [B, H, S] with return_lse)."""
+        return dilated_attention(q, k, v, return_lse=return_lse, implementation=self.implementation,
+                                 config=self.config, **self.spec.attention_kwargs())
+
+
+class MultiheadDilatedAttention(nnx.Module):
+    """Multi-head dilated attention (LongNet): q/k/v/out projections (`nnx.Linear`, named as in
+    `MultiHeadSelfAttention`: `q_proj`, `k_proj`, `v_proj`, `out_proj`) around `dilated_attention`.
+
+    Args (the first five as `flax.nnx.MultiHeadAttention`'s):
+      num_heads: query heads; in_features: input width; qkv_features: width of q (default
+        in_features; head dim = qkv_features // num_heads); out_features: output width (default
+        in_features); num_kv_heads: key/value heads (default num_heads; GQA/MQA), dividing num_heads.
+      segment_lengths, dilation_rates, causal, merge: the dilated configuration (see
+        `dilated_attention`; merge="head_groups" needs num_heads a multiple of the branch count).
+      position: "none" | "absolute" (sinusoidal table added to the inputs) | "rope" (q and k
+        rotated by `rope` before the attention: the dilated kernels have no fused RoPE).
+      implementation, config: passed to `dilated_attention` unchanged.
+      use_bias, dtype (compute), param_dtype, rngs: as in `MultiHeadSelfAttention`.
+    """
+
+    def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+                 out_features: int | None = None, num_kv_heads: int | None = None, *, segment_lengths,
+                 dilation_rates, causal: bool = False, merge: str = "lse", position: str = "none",
+                 rope: Rope = Rope(), implementation: str | None = None, config=None, use_bias: bool = True,
+                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        self.spec = check_multihead_args(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                                         attention="dilated", position=position, rope=rope, causal=causal,
+                                         segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                                         merge=merge)
+        self.implementation, self.config, self.dtype = implementation, config, dtype
+        _add_projections(self, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, positions=None):
+        """inputs_q [B, S, in_features] -> [B, S, out_features]. inputs_k (default inputs_q) and
+        inputs_v (default inputs_k): [B, S, in_features], the same B and S. positions: int [B, S]
+        for position="absolute" / "rope" (default 0 .. S-1), shared by all three inputs."""
+        inputs_k = inputs_q if inputs_k is None else inputs_k
+        inputs_v = inputs_k if inputs_v is None else inputs_v
+        return _project_attend(self, (inputs_q, inputs_k, inputs_v), ("inputs_q", "inputs_k", "inputs_v"),
+                               positions=positions, config=self.config)
 
 
 def _check_positions(positions, batch, length):
@@ -101,19 +200,22 @@ class EncoderBlock(nnx.Module):
         h = ln1(x + attn(x));  y = ln2(h + mlp_out(gelu_tanh(mlp_in(h))))
 
     Args: d_model, num_heads; d_ff: MLP width (default 4 * d_model); the remaining keyword
-    arguments are those of `MultiHeadSelfAttention`. LayerNorm eps 1e-5 (as torch's default).
+    arguments are those of `MultiHeadSelfAttention` (attention="dilated" with segment_lengths,
+    dilation_rates, merge: LongNet's dilated attention in the block). LayerNorm eps 1e-5 (as torch's default).
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *,
                  num_kv_heads: int | None = None, attention: str = "softmax", position: str = "none",
                  rope: Rope = Rope(), causal: bool = False, window: tuple[int, int] | None = None,
                  softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
+                 segment_lengths=None, dilation_rates=None, merge: str = "lse",
                  implementation: str | None = None, use_bias: bool = True, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         d_ff = feed_forward_width(d_model, d_ff)
         self.attn = MultiHeadSelfAttention(
             d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
             causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
             implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = dict(epsilon=LAYER_NORM_EPS, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln1 = nnx.LayerNorm(d_model, **norm)

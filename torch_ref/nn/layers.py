@@ -1,9 +1,11 @@
-"""PyTorch twins of `jax_attn.nn.layers`: `MultiHeadSelfAttention` and `EncoderBlock`.
+"""PyTorch twins of `jax_attn.nn.layers`: `MultiHeadSelfAttention`, `EncoderBlock`, `DilatedAttention`
+and `MultiheadDilatedAttention`.
 
 Same constructor arguments (torch dtypes and a `device` instead of `rngs`), same submodule names
 (`q_proj`, `k_proj`, `v_proj`, `out_proj` as nn.Linear; `attn`, `ln1`, `ln2`, `mlp_in`, `mlp_out`),
-same computation, on `torch_ref.flash_attention` (attention="softmax") or
-`torch_ref.stick_breaking_attention` (attention="stick_breaking"). The attention kinds, the
+same computation, on `torch_ref.flash_attention` (attention="softmax"),
+`torch_ref.stick_breaking_attention` (attention="stick_breaking") or `torch_ref.dilated_attention`
+(attention="dilated" and the dilated layers). The attention kinds, the
 position schemes ("none", "absolute", "rope") and the argument checks are those of
 `attn_spec.layers`; `rope` is the shared `Rope` config (`torch_ref.Rope` is `jax_attn.Rope`).
 Parameters come from the Flax layers through `parity.bridge` (torch's own initialisation differs
@@ -19,14 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attn_spec.layers import (LAYER_NORM_EPS, check_layer_args, check_positions_shape, feed_forward_width,
-                              inverse_softplus)
+from attn_spec.layers import (LAYER_NORM_EPS, check_dilated_args, check_layer_args, check_multihead_args,
+                              check_positions_shape, feed_forward_width, inverse_softplus)
 
-from ..api import flash_attention, stick_breaking_attention
-from ..ops.common.rope import Rope
+from ..api import dilated_attention, flash_attention, stick_breaking_attention
+from ..ops.common.rope import Rope, apply_rope
 from .positions import sinusoidal_at, sinusoidal_positions
 
-ATTENTION_FUNCTIONS = {"softmax": flash_attention, "stick_breaking": stick_breaking_attention}
+ATTENTION_FUNCTIONS = {"softmax": flash_attention, "stick_breaking": stick_breaking_attention,
+                       "dilated": dilated_attention}
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -47,36 +50,110 @@ class MultiHeadSelfAttention(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None, attention: str = "softmax",
                  position: str = "none", rope: Rope = Rope(), causal: bool = False, window=None, softcap=None,
-                 decay: float = 0.0, learn_decay: bool = False, implementation: str | None = None,
-                 use_bias: bool = True, dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32,
-                 device=None):
+                 decay: float = 0.0, learn_decay: bool = False, segment_lengths=None, dilation_rates=None,
+                 merge: str = "lse", implementation: str | None = None, use_bias: bool = True,
+                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
                                      rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
-                                     learn_decay=learn_decay)
+                                     learn_decay=learn_decay, segment_lengths=segment_lengths,
+                                     dilation_rates=dilation_rates, merge=merge)
         self.implementation, self.dtype = implementation, dtype
-        for name, (n_in, n_out) in self.spec.projections().items():
-            self.add_module(name, nn.Linear(n_in, n_out, bias=use_bias, dtype=param_dtype, device=device))
+        _add_projections(self, bias=use_bias, dtype=param_dtype, device=device)
         if learn_decay:
             initial = torch.full((num_heads,), inverse_softplus(decay), dtype=param_dtype, device=device)
             self.decay_logit = nn.Parameter(initial)
 
     def forward(self, x: torch.Tensor, *, segment_ids=None, positions=None) -> torch.Tensor:
         """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions int [B, S]."""
-        spec = self.spec
-        batch, length = spec.check_call(tuple(x.shape), segment_ids=segment_ids, positions=positions)
-        if spec.position == "absolute" and positions is None:
-            x = x + sinusoidal_positions(length, spec.d_model, x.dtype, device=x.device)[None]
-        elif spec.position == "absolute":
-            _check_positions(positions, batch, length)
-            x = x + sinusoidal_at(positions, spec.d_model, x.dtype)
-        heads = spec.qkv_heads()
-        q, k, v = (_linear(getattr(self, name), x, self.dtype).reshape(batch, length, h, spec.head_dim)
-                   for name, h in zip(("q_proj", "k_proj", "v_proj"), heads))
-        decay = F.softplus(self.decay_logit) if spec.learn_decay else None
-        kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay)
-        out = ATTENTION_FUNCTIONS[spec.attention](q, k, v, implementation=self.implementation, **kwargs)
-        return _linear(self.out_proj, out.reshape(batch, length, spec.num_heads * spec.head_dim), self.dtype)
+        decay = F.softplus(self.decay_logit) if self.spec.learn_decay else None
+        return _project_attend(self, (x, x, x), ("x",), segment_ids=segment_ids, positions=positions, decay=decay)
+
+
+def _add_projections(module: nn.Module, **linear_kwargs) -> None:
+    """The q/k/v/out nn.Linear projections of `module.spec`."""
+    for name, (n_in, n_out) in module.spec.projections().items():
+        module.add_module(name, nn.Linear(n_in, n_out, **linear_kwargs))
+
+
+def _distinct(fn, xs):
+    """fn applied to each of xs, once per distinct object (self-attention passes x three times)."""
+    done = {}
+    for x in xs:
+        if id(x) not in done:
+            done[id(x)] = fn(x)
+    return tuple(done[id(x)] for x in xs)
+
+
+def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, decay=None, config=None):
+    """Twin of `jax_attn.nn.layers._project_attend`: inputs (queries, keys, values) [B, S, d_model]
+    -> [B, S, out_features]."""
+    spec = module.spec
+    batch, length = spec.check_call(tuple(inputs[0].shape), segment_ids=segment_ids, positions=positions,
+                                    name=names[0])
+    for name, x in zip(names[1:], inputs[1:]):
+        spec.check_kv_input(name, x.shape, batch, length)
+    if positions is not None and (spec.position == "absolute" or spec.rope_outside_kernel):
+        _check_positions(positions, batch, length)
+    x0 = inputs[0]
+    if spec.position == "absolute":
+        table = (sinusoidal_positions(length, spec.d_model, x0.dtype, device=x0.device)[None] if positions is None
+                 else sinusoidal_at(positions, spec.d_model, x0.dtype))
+        inputs = _distinct(lambda x: x + table, inputs)
+    q, k, v = (_linear(getattr(module, name), x, module.dtype).reshape(batch, length, h, spec.head_dim)
+               for name, x, h in zip(("q_proj", "k_proj", "v_proj"), inputs, spec.qkv_heads()))
+    if spec.rope_outside_kernel:
+        if positions is None:
+            positions = torch.arange(length, device=x0.device).expand(batch, length)
+        q, k = apply_rope(q, positions, spec.rope), apply_rope(k, positions, spec.rope)
+    kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay)
+    if config is not None:
+        kwargs["config"] = config
+    out = ATTENTION_FUNCTIONS[spec.attention](q, k, v, implementation=module.implementation, **kwargs)
+    return _linear(module.out_proj, out.reshape(batch, length, spec.num_heads * spec.head_dim), module.dtype)
+
+
+class DilatedAttention(nn.Module):
+    """Twin of `jax_attn.nn.layers.DilatedAttention`: no weights, `torch_ref.dilated_attention(q, k, v)`
+    with the configuration given here (implementation "triton" | "eager" | None)."""
+
+    def __init__(self, segment_lengths, dilation_rates, *, causal: bool = False, merge: str = "lse",
+                 scale: float | None = None, implementation: str | None = None, config=None):
+        super().__init__()
+        self.spec = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge, scale=scale)
+        self.implementation, self.config = implementation, config
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False):
+        """q [B, S, H, D], k, v [B, S, Hkv, D] -> out [B, S, H, D] (and lse [B, H, S] with return_lse)."""
+        return dilated_attention(q, k, v, return_lse=return_lse, implementation=self.implementation,
+                                 config=self.config, **self.spec.attention_kwargs())
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """Twin of `jax_attn.nn.layers.MultiheadDilatedAttention` (see there for the arguments; torch
+    dtypes and a `device` instead of `rngs`)."""
+
+    def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+                 out_features: int | None = None, num_kv_heads: int | None = None, *, segment_lengths,
+                 dilation_rates, causal: bool = False, merge: str = "lse", position: str = "none",
+                 rope: Rope = Rope(), implementation: str | None = None, config=None, use_bias: bool = True,
+                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.spec = check_multihead_args(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                                         attention="dilated", position=position, rope=rope, causal=causal,
+                                         segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                                         merge=merge)
+        self.implementation, self.config, self.dtype = implementation, config, dtype
+        _add_projections(self, bias=use_bias, dtype=param_dtype, device=device)
+
+    def forward(self, inputs_q: torch.Tensor, inputs_k: torch.Tensor | None = None,
+                inputs_v: torch.Tensor | None = None, *, positions=None) -> torch.Tensor:
+        """inputs_q [B, S, in_features] -> [B, S, out_features]; inputs_k (default inputs_q),
+        inputs_v (default inputs_k) [B, S, in_features]; positions int [B, S]."""
+        inputs_k = inputs_q if inputs_k is None else inputs_k
+        inputs_v = inputs_k if inputs_v is None else inputs_v
+        return _project_attend(self, (inputs_q, inputs_k, inputs_v), ("inputs_q", "inputs_k", "inputs_v"),
+                               positions=positions, config=self.config)
 
 
 def _check_positions(positions, batch, length):
@@ -92,14 +169,15 @@ class EncoderBlock(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *, num_kv_heads: int | None = None,
                  attention: str = "softmax", position: str = "none", rope: Rope = Rope(), causal: bool = False,
-                 window=None, softcap=None, decay: float = 0.0, learn_decay: bool = False,
-                 implementation: str | None = None, use_bias: bool = True, dtype: torch.dtype = torch.float32,
-                 param_dtype: torch.dtype = torch.float32, device=None):
+                 window=None, softcap=None, decay: float = 0.0, learn_decay: bool = False, segment_lengths=None,
+                 dilation_rates=None, merge: str = "lse", implementation: str | None = None, use_bias: bool = True,
+                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         d_ff = feed_forward_width(d_model, d_ff)
         self.attn = MultiHeadSelfAttention(
             d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
             causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
             implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, device=device)
         self.dtype = dtype
         factory = dict(dtype=param_dtype, device=device)
