@@ -7,6 +7,8 @@ Run on the GPU machine from the repository root:
 
 Cases (bf16, B=1, 16 heads of 128, not causal, forward and forward+backward):
     dilated    segments (2048, 4096, 8192), rates (1, 2, 4) at 8k, 32k and 128k tokens
+    dilated4   segments (2048, 4096, 8192, 16384), rates (1, 2, 4, 8) at 32k: four branches, so
+               that head_groups splits the 16 heads evenly
     ladder     the LongNet ladder (2048 .. 32768) / (1 .. 16) at 128k
     dense      the same shapes without dilation: our dense kernel on the whole sequence
 TF/s on the dilated FLOPs: sum over branches of segments x (w/r)^2 x 4 x H x D (head_groups: each
@@ -15,11 +17,13 @@ branch H/K heads); forward+backward 3.5x. Dense rows count dense FLOPs. --quick:
 Columns:
     lse              jax_attn.dilated_attention(merge="lse") (the default: Mosaic kernels on Hopper)
     lse_triton       the same, implementation="triton" (the Triton kernels)
-    head_groups      jax_attn.dilated_attention(merge="head_groups") (not compared: another function)
     composite        per branch: gather the dilated rows (jnp), jax_attn.flash_attention(return_lse=True)
                      on the segment batch, scatter back; LSE merge (differentiable throughout)
     composite_cudnn  the same with cuDNN (jax's cuDNN fused attention, which returns its softmax
                      statistic through a private entry point); absent where that does not run
+    head_groups      jax_attn.dilated_attention(merge="head_groups") (the relerr columns compare
+                     with the lse merge's reference: not compared); needs H % branches == 0
+    groups_composite, groups_cudnn   the head_groups composites (per branch its heads, no merge)
     dense            jax_attn.flash_attention on the whole sequence (dense rows only; the default)
     dense_triton     the same, implementation="triton"
     dense_mask       the original project's path: dense attention with an [H, S, S] dilation mask
@@ -44,6 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 CONFIG = ((2048, 4096, 8192), (1, 2, 4))
+CONFIG4 = ((2048, 4096, 8192, 16384), (1, 2, 4, 8))
 LADDER = ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))
 
 
@@ -69,6 +74,7 @@ def cases(opts):
     out = []
     for s in lengths:
         out.append(DilatedCase("dilated", 1, s, 16, 128, params={"segments": CONFIG[0], "rates": CONFIG[1]}))
+    out.append(DilatedCase("dilated4", 1, 32768, 16, 128, params={"segments": CONFIG4[0], "rates": CONFIG4[1]}))
     if not opts.quick:
         out.append(DilatedCase("ladder", 1, 131072, 16, 128, params={"segments": LADDER[0], "rates": LADDER[1]}))
     out += [DilatedCase("dense", 1, s, 16, 128) for s in lengths]
@@ -83,6 +89,7 @@ def _dilated_only(case):
 def ours(merge, implementation=None):
     def build(case, opts):
         _dilated_only(case)
+        _check_groups(case, merge)
         import jax_attn
         return lambda q, k, v: jax_attn.dilated_attention(q, k, v, segment_lengths=case.params["segments"],
                                                           dilation_rates=case.params["rates"], merge=merge,
@@ -98,13 +105,33 @@ def _branch_geometry(case, w, r):
     return case.S // w, w // r, np.arange(case.H) % r
 
 
-def composite(attend):
-    """Per branch: gather each head's dilated rows, attend on the segment batch, scatter, LSE merge.
+def _check_groups(case, merge):
+    branches = len(case.params["segments"])
+    if merge == "head_groups" and case.H % branches:
+        raise Absent(f"head_groups splits the {case.H} heads into {branches} equal groups: not possible")
+
+
+def composite(attend, merge="lse"):
+    """Per branch: gather each head's dilated rows, attend on the segment batch, scatter, LSE merge
+    (head_groups: each branch its group of heads, at offset k mod r, no merge).
     attend(q, k, v) on [B', L, H, D] -> (o [B', L, H, D], lse [B', H, L])."""
     def build(case, opts):
         _dilated_only(case)
+        _check_groups(case, merge)
         geo = [(_branch_geometry(case, w, r), r) for w, r in zip(case.params["segments"], case.params["rates"])]
         heads = np.arange(case.H)
+
+        def groups(q, k, v):
+            B, S, H, D = q.shape
+            size = H // len(geo)
+            outs = []
+            for i, ((n, L, _), r) in enumerate(geo):
+                own = slice(i * size, (i + 1) * size)
+                gather = lambda x: x.reshape(B, n, L, r, H, D)[:, :, :, i % r, own].reshape(B * n, L, size, D)
+                o, _ = attend(gather(q), gather(k), gather(v))
+                o_full = jnp.zeros((B, n, L, r, size, D), o.dtype).at[:, :, :, i % r].set(o.reshape(B, n, L, size, D))
+                outs.append(o_full.reshape(B, S, size, D))
+            return jnp.concatenate(outs, axis=2)
 
         def f(q, k, v):
             B, S, H, D = q.shape
@@ -123,7 +150,7 @@ def composite(attend):
             total = sum(weights)
             out = sum(w[..., None] * o.astype(jnp.float32) for w, o in zip(weights, outs)) / total[..., None]
             return out.astype(q.dtype)
-        return f
+        return groups if merge == "head_groups" else f
     return build
 
 
@@ -138,14 +165,16 @@ def cudnn_lse(q, k, v):
     return out, stat.astype(jnp.float32).reshape(q.shape[0], q.shape[2], q.shape[1])
 
 
-def composite_cudnn(case, opts):
-    if opts.smoke:
-        raise Absent("cuDNN: GPU only")
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        raise Absent(f"jax's cuDNN fused attention does not import: {e}") from e
-    return composite(cudnn_lse)(case, opts)
+def composite_cudnn(merge="lse"):
+    def build(case, opts):
+        if opts.smoke:
+            raise Absent("cuDNN: GPU only")
+        try:
+            from jax._src.cudnn import fused_attention_stablehlo  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            raise Absent(f"jax's cuDNN fused attention does not import: {e}") from e
+        return composite(cudnn_lse, merge)(case, opts)
+    return build
 
 
 def dense(implementation=None):
@@ -226,9 +255,11 @@ def torch_composite(case, opts):
 COLUMNS = [
     Column("lse", ours("lse")),
     Column("lse_triton", ours("lse", "triton")),
-    Column("head_groups", ours("head_groups"), compare=False),
     Column("composite", composite(flash_lse)),
-    Column("composite_cudnn", composite_cudnn),
+    Column("composite_cudnn", composite_cudnn()),
+    Column("head_groups", ours("head_groups"), compare=False),
+    Column("groups_composite", composite(flash_lse, "head_groups"), compare=False),
+    Column("groups_cudnn", composite_cudnn("head_groups"), compare=False),
     Column("dense", dense(), compare=False),
     Column("dense_triton", dense("triton"), compare=False),
     Column("dense_mask", dense_mask, compare=False, quick=False),
