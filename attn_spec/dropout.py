@@ -13,8 +13,10 @@ is kept when `bits >> 1 >= threshold(rate)`, with all arithmetic on uint32, wrap
 `mix` is MurmurHash3's 32-bit finaliser (a bijection with full avalanche), so a tile costs one
 `mix` per element beside one per row and per column. Kept elements are scaled by 1 / (1 - rate).
 A seed is two uint32 words: JAX takes them from a PRNG key (`jax.random.key_data` of a threefry
-key, so `jax.random.PRNGKey(s)` and torch's `dropout_seed=s` give the same words for s < 2^64),
-torch from an int.
+key), torch from an int s in [0, 2^64) (`seed_words`: (s >> 32, s & 0xffffffff), threefry's layout).
+So torch's `dropout_seed=s` and `jax.random.wrap_key_data(jnp.array(seed_words(s), jnp.uint32))`
+give the same mask for every s, and `jax.random.key(s)` does for s < 2^32 (s < 2^63 under
+jax_enable_x64; without it, key(s) keeps only the low word).
 
 The functions take `ops`, a namespace of the array library's uint32 operations, so that one
 definition serves NumPy here, jnp (in and outside Pallas kernels) and Triton.

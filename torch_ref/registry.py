@@ -98,17 +98,17 @@ def _triton_default_config(variant: str, call: Call):
 
 
 def _softmax_eager(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, rope, q_pos, kv_pos, config=None,
-                   alibi=None):
+                   alibi=None, dropout=None):
     return softmax_ref.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
-                                 softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos, alibi=alibi)
+                                 softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos, alibi=alibi, dropout=dropout)
 
 
 def _softmax_triton(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, rope, q_pos, kv_pos, config=None,
-                    alibi=None):
+                    alibi=None, dropout=None):
     q_ids, kv_ids = segment_pair_for_kernel(q_ids, kv_ids)
     q_pos, kv_pos = segment_pair_for_kernel(q_pos, kv_pos)
     return _kernels("softmax").FlashAttentionFn.apply(q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope,
-                                                     q_pos, kv_pos, config, alibi)
+                                                     q_pos, kv_pos, config, alibi, dropout)
 
 
 def _stick_breaking_eager(q, k, v, *, scale, decay, rope, q_pos, kv_pos, config=None):

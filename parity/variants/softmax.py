@@ -1,6 +1,8 @@
 """The softmax record: `flash_attention` in both frameworks (with or without fused RoPE).
 
 Compared: out, lse, dq, dk, dv (cotangent on lse: zero unless the case asks for a random one).
+Dropout cases carry torch's arguments (dropout_rate, dropout_seed); JAX gets the key of the same
+seed words (`dropout_key`), so every implementation, the float64 goldens included, applies one mask.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import jax_attn
 import jax_attn.registry
 import torch_ref
+from attn_spec.dropout import seed_words
 from parity.cases import Case, case, draw
 from parity import variants as v
 
@@ -33,6 +36,8 @@ def run_jax(case: Case, implementation: str, dtype: str, inputs) -> list:
     kw = case.call_kwargs()
     if "alibi_slopes" in kw:
         kw["alibi_slopes"] = np.asarray(kw["alibi_slopes"], np.float64 if dtype == "float64" else np.float32)
+    if "dropout_seed" in kw:  # torch's int seed -> the key of its two words
+        kw["dropout_key"] = jax.random.wrap_key_data(jnp.asarray(seed_words(kw.pop("dropout_seed")), jnp.uint32))
 
     def f(q, k, vv):
         return jax_attn.flash_attention(q, k, vv, segment_ids=v.jax_ints(seg), return_lse=True,
@@ -67,7 +72,8 @@ def jax_call(case: Case):
         scale=1.0, causal=kw.get("causal", False), window_left=left, window_right=right,
         softcap=kw.get("softcap"), has_segments=case.segments is not None,
         rope=None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1]),
-        offset=kw.get("q_offset", 0) - kw.get("kv_offset", 0), alibi="alibi_slopes" in kw)
+        offset=kw.get("q_offset", 0) - kw.get("kv_offset", 0), alibi="alibi_slopes" in kw,
+        dropout=kw.get("dropout_rate", 0.0))
     offsets_position_rope = case.rope is not None and (kw.get("q_offset", 0) or kw.get("kv_offset", 0))
     return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype),
                                   positions=case.positions is not None or bool(offsets_position_rope))
@@ -92,6 +98,13 @@ CASES = (
     _case("alibi_bottom_right_window_fp16", (2, 19, 40, 2, 1, 64), "float16", window=(9, 0), causal=True,
           q_offset=21, alibi_slopes=(0.3, 0.05)),
     _case("alibi_dense_cross_softcap", (1, 33, 50, 2, 2, 16), softcap=4.0, alibi_slopes=(0.1, 1.0)),
+    # Attention dropout: one seed, one mask (attn_spec.dropout) in both frameworks and the goldens;
+    # a seed above 2^32 (both words used)
+    _case("dropout_causal_gqa", (1, 53, 53, 6, 2, 40), causal=True, dropout_rate=0.1, dropout_seed=2 ** 40 + 17),
+    _case("dropout_window_segments_fp16", (2, 37, 61, 4, 1, 32), "float16", window=(12, 4),
+          segments="pair_sorted", dropout_rate=0.5, dropout_seed=12345, stat_grad=True),
+    _case("bf16_dropout_causal_1k_gqa", (2, 1024, 1024, 8, 2, 64), "bfloat16", causal=True, dropout_rate=0.1,
+          dropout_seed=2 ** 63 + 5, gpu=True),
     # FlashAttention's bwd_overflow: fp16, two or three keys, large logits (very negative lse on
     # some rows: a key block of padding run unmasked made the Hopper dQ NaN there)
     _case("fp16_overflow_2x2_d64", (2, 2, 2, 5, 5, 64), dtype="float16", amp=4.0),

@@ -2,7 +2,8 @@
 
 `validate` checks q, k, v and the softmax options (causal, scale, segment ids, window, softcap) and
 normalises them; `validate_rope` checks rope / positions; `validate_stick_breaking` (with
-`validate_decay`) the stick-breaking arguments; `validate_dilated` the dilated ones. `segment_pair_for_kernel` gives a pair of id
+`validate_decay`) the stick-breaking arguments; `validate_dilated` the dilated ones; `validate_dropout`
+attention dropout's rate and seed. `segment_pair_for_kernel` gives a pair of id
 tensors one integer dtype for the Triton kernels. Errors name the argument and the value.
 """
 from __future__ import annotations
@@ -13,14 +14,18 @@ import numbers
 import torch
 
 from attn_spec.dilation import check_config as check_dilated_config
+from attn_spec.dropout import seed_words
 from attn_spec.rope import Rope
 from attn_spec.visit import reach
+
+from .dropout import draw_seed
 
 MAX_HEAD_DIM = 256
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 __all__ = ["MAX_HEAD_DIM", "FLOAT_DTYPES", "is_int", "is_real", "check_ids", "validate", "validate_rope",
-           "segment_pair_for_kernel", "validate_decay", "validate_stick_breaking", "validate_dilated"]
+           "segment_pair_for_kernel", "validate_decay", "validate_stick_breaking", "validate_dilated",
+           "validate_dropout"]
 
 
 def is_int(x) -> bool:
@@ -134,6 +139,27 @@ def validate_alibi(slopes, q, q_offset, kv_offset):
     if not bool(torch.isfinite(slopes).all()):
         raise ValueError(f"alibi_slopes must be finite, got {slopes.tolist()}")
     return slopes.detach(), int(q_offset) - int(kv_offset)
+
+
+def validate_dropout(rate, seed, generator=None):
+    """Attention dropout: rate a float in [0, 1); seed None or an int in [0, 2^64); generator None or
+    a torch.Generator (for a drawn seed) -> None (rate 0: no dropout) or (rate, (s0, s1)), the seed
+    words of `attn_spec.dropout`. With rate > 0 and no seed, the seed is drawn by
+    `torch_ref.ops.common.dropout.draw_seed` from `generator` (default: torch's default CPU generator)."""
+    if not (is_real(rate) and 0.0 <= rate < 1.0):
+        raise ValueError(f"dropout_rate must be a float in [0, 1), got {rate!r}")
+    if seed is not None and not is_int(seed):
+        raise TypeError(f"dropout_seed must be None or an int in [0, 2**64), got {type(seed).__name__} {seed!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
+    if seed is not None and generator is not None:
+        raise ValueError("pass dropout_seed or generator (the generator draws a seed), not both")
+    words = None if seed is None else seed_words(seed)  # ValueError outside [0, 2**64)
+    if rate == 0:
+        return None
+    if words is None:
+        words = seed_words(draw_seed(generator))
+    return float(rate), words
 
 
 def validate_rope(q, k, rope, positions, q_offset: int = 0, kv_offset: int = 0):

@@ -5,11 +5,15 @@ computes the matmuls in the input dtype (that is what "naive" means in the toler
 the softmax statistics in float32 (float64 for float64 inputs, so the golden stays float64); the
 log-sum-exp it returns has that statistics dtype. With RoPE, q and k are rotated first
 (`torch_ref.ops.common.rope.apply_rope`: angles in float32, float64 for float64 inputs), then attended.
+With dropout, the probabilities (in the statistics dtype) are dropped by the mask of
+`attn_spec.dropout` and the rest scaled by 1 / (1 - rate), before the PV product; the lse stays the
+softmax's.
 """
 from __future__ import annotations
 
 import torch
 
+from ..common import dropout as drop
 from ..common.rope import apply_rope
 
 
@@ -30,13 +34,14 @@ def visibility(Sq: int, Sk: int, *, causal: bool, window, q_ids, kv_ids, device)
 
 
 def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
-              rope=None, q_pos=None, kv_pos=None, alibi=None):
+              rope=None, q_pos=None, kv_pos=None, alibi=None, dropout=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq]).
 
     Inputs are assumed validated (see torch_ref.ops.common.validation). Rows with no visible key give out 0 and
     lse -inf, with zero (never NaN) gradients. rope: a `Rope` (then q_pos [B, Sq] and kv_pos
     [B, Sk] are the integer positions of q and k) or None. alibi: (slopes [Hq], offset) or None:
-    scores get -slope_h |i + offset - j|.
+    scores get -slope_h |i + offset - j|. dropout: (rate, (s0, s1)) (the seed words of
+    `attn_spec.dropout`) or None.
     """
     if rope is not None:
         q = apply_rope(q, q_pos, rope)
@@ -79,8 +84,12 @@ def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, w
     l = e.sum(-1, keepdim=True)
     empty = l == 0
     l_safe = torch.where(empty, torch.ones((), dtype=stat, device=l.device), l)
-    p = (e / l_safe).to(q.dtype)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    p = e / l_safe
+    if dropout is not None:  # after the softmax (its l and lse unchanged), before PV
+        rate, seed = dropout
+        keep = drop.keep_mask(seed, B, Hq, Sq, Sk, rate, device=q.device)
+        p = torch.where(keep, p * (1.0 / (1.0 - rate)), torch.zeros((), dtype=stat, device=p.device))
+    out = torch.einsum("bhqk,bkhd->bqhd", p.to(q.dtype), v)
 
     lse = torch.where(empty, torch.full((), float("-inf"), dtype=stat, device=l.device), m + torch.log(l_safe))
     return out, lse.squeeze(-1)

@@ -34,6 +34,14 @@ returns (h, h // GROUP, b), the very values the kernels used before the map exis
 else is emitted. With per-head offsets inside a GQA group (DKV_PER_QHEAD) the dK/dV kernel runs
 one program per query head and writes dk, dv per query head; the caller sums each group.
 
+Dropout (constexprs DROPOUT, the rate, and DROP_THRESHOLD; scalars seed0, seed1; `triton_dropout`):
+the mask of `attn_spec.dropout`, hashed per tile from (seed, batch, query head, query row, key row),
+so the backward kernels regenerate the forward's. The forward drops the probabilities after their
+sum l (the lse stays the softmax's) and before the PV product; dK/dV takes the dropped
+probabilities for dV and masks and scales dP; dQ masks and scales dP; dS = P * (dP - delta) with
+delta_i = sum_d dO_i O_i - dlse_i as without dropout. DROPOUT = 0 (the default) compiles none of
+it, and the seeds are then None (constexprs): the kernels are those without dropout.
+
 Importing this module imports triton: the interpreter (`TRITON_INTERPRET=1`) must be chosen in
 the environment before that happens.
 """
@@ -47,6 +55,7 @@ import triton.language as tl
 from attn_spec.dilation import RowMap
 from attn_spec.tiles import BlockSizes
 
+from ..common import triton_dropout as drop
 from ..common.triton_tiles import (INTERPRETED, block_d, device_ctx, load_2d, load_own, load_rotated,
                                    precision, rope_args, store_unrotated)
 from ..common.validation import MAX_HEAD_DIM
@@ -206,12 +215,14 @@ def _visited(RANGES, block):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, sks_s, skp_s,
                theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff,
-               blk_lo, blk_hi,
+               drop_rows, blk_lo, blk_hi,
                BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-               ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """With ROPE, q and q2 are the rotated pair halves of the query tile; otherwise q is the tile."""
+               ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr):
+    """With ROPE, q and q2 are the rotated pair halves of the query tile; otherwise q is the tile.
+    With DROPOUT, drop_rows are the query rows' dropout bits ([BLOCK_M, 1])."""
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < Sk
@@ -244,23 +255,26 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s2 - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DROPOUT > 0:  # l is the softmax's sum; dropout acts on the probabilities after it
+            p = drop.dropped(p, drop.keep(drop_rows, drop.col_bits(cols)[None, :], DROP_THRESHOLD), DROPOUT)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=drop.SEED_ARGS)
 def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
                 sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right, aoff,
+                Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right, aoff, seed0, seed1,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
                 ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 RATE: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
-                HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1):
+                HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1, DROPOUT: tl.constexpr = 0.0,
+                DROP_THRESHOLD: tl.constexpr = 0):
     """grid (cdiv(Sq, BLOCK_M), Hq, B). Writes O [B, Sq, Hq, D]; LSE, M2, INV_L [B, Hq, Sq].
     With ROPE: THETA [D/2] fp32, QPOS [B, Sq], KPOS [B, Sk] integer positions. With a row map, Hq
     is the grid's head count and Q, K, V are slot views (the module docstring)."""
@@ -296,6 +310,10 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     v_base = V + b * svb + hk * svh
     ks_base = KSEG + bs * sksb
 
+    drop_rows = None  # the query rows' dropout bits
+    if DROPOUT > 0:
+        drop_rows = drop.row_bits(drop.stream(seed0, seed1, b * Hq + h), offs_m)[:, None]
+
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -303,16 +321,19 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, slope2, aoff, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL,
-                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
+                               score_mul, cap_mul, slope2, aoff, drop_rows, b_lo, f_lo, BLOCK_N, HALF, CHECK_D,
+                               CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE,
+                               ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, slope2, aoff, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL,
-                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
+                               score_mul, cap_mul, slope2, aoff, drop_rows, f_lo, f_hi, BLOCK_N, HALF, CHECK_D,
+                               CHECK_H, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE,
+                               ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, slope2, aoff, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL,
-                               HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
+                               score_mul, cap_mul, slope2, aoff, drop_rows, f_hi, b_hi, BLOCK_N, HALF, CHECK_D,
+                               CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE,
+                               ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
 
     # A row that saw no key has l = 0 and acc = 0: out 0, lse -inf, m2 = +inf, inv_l = 0.
     empty = l_i == 0.0
@@ -334,14 +355,16 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
 @triton.jit
 def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
                 qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk,
-                left, right, score_mul, cap_mul, slope2, aoff, blk_lo, blk_hi,
+                left, right, score_mul, cap_mul, slope2, aoff, drop_stream, drop_cols, blk_lo, blk_hi,
                 BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                 POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr):
     # Tiles are transposed ([keys, queries]) so dK, dV accumulate as [BLOCK_N, D] without trans.
     # With ROPE, (k, k2) and (dk, dk2) are the pair halves (rotated k; gradient w.r.t. it).
     # (kT, kT2): the key tile as the forward loads it, used only if _FWD_SCORES (interpreter).
+    # With DROPOUT: drop_stream, the head's dropout stream; drop_cols, the keys' bits ([BLOCK_N, 1]).
     for blk in range(blk_lo, blk_hi):
         rows = blk * BLOCK_M + offs_m
         m_ok = rows < Sq
@@ -394,8 +417,13 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
             q = tl.where(row_ok[:, None], q, 0.0)
             if ROPE:
                 q2 = tl.where(row_ok[:, None], q2, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT > 0:  # dV takes the dropped probabilities, dP the same mask and scale
+            keptT = drop.keep(drop.row_bits(drop_stream, rows)[None, :], drop_cols, DROP_THRESHOLD)
+            dv = tl.dot(drop.dropped(pT, keptT, DROPOUT).to(do.dtype), do, dv, input_precision=PRECISION)
+            dpT = drop.dropped(tl.dot(v, tl.trans(do), input_precision=PRECISION), keptT, DROPOUT)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
@@ -407,19 +435,20 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
     return dk, dk2, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=drop.SEED_ARGS)
 def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                      sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
                      sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                     Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff,
+                     Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, seed0, seed1,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
                      ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
                      RATE: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
                      HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1,
-                     DKV_PER_QHEAD: tl.constexpr = False):
+                     DKV_PER_QHEAD: tl.constexpr = False, DROPOUT: tl.constexpr = 0.0,
+                     DROP_THRESHOLD: tl.constexpr = 0):
     """grid (cdiv(Sk, BLOCK_N), Hkv, B). dK, dV of one key tile summed over the GQA group
     in registers, in a fixed order: deterministic, no atomics. With ROPE the group's q heads are
     rotated by the q positions of the batch row, and dK is rotated back (R^T) before the store.
@@ -478,6 +507,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dk2 = dk  # unused placeholder
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    drop_cols = None  # the keys' dropout bits
+    if DROPOUT > 0:
+        drop_cols = drop.col_bits(offs_n)[:, None]
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_n)
     for g in range(n_heads):
         if DKV_PER_QHEAD:
@@ -488,6 +520,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + h)
+        drop_stream = None  # query head h's dropout stream
+        if DROPOUT > 0:
+            drop_stream = drop.stream(seed0, seed1, b * Hq + h)
         q_base = Q + b * sqb + hq * sqh
         do_base = DO + b * sdob + hq * sdoh
         m2_base = M2 + (b * Hq + h) * Sq
@@ -495,19 +530,22 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         delta_base = DELTA + (b * Hq + h) * Sq
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
-                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff, b_lo,
-                                  f_lo, BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
-                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
+                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
+                                  aoff, drop_stream, drop_cols, b_lo, f_lo, BLOCK_M, HALF, CHECK_D, CHECK_H, True,
+                                  IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
+                                  HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
-                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff, f_lo,
-                                  f_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
-                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
+                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
+                                  aoff, drop_stream, drop_cols, f_lo, f_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, False,
+                                  IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
+                                  HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
-                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff, f_hi,
-                                  b_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS,
-                                  HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
+                                  offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
+                                  aoff, drop_stream, drop_cols, f_hi, b_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, True,
+                                  IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
+                                  HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
 
     if ROPE:
         # ds/dk' = scale * q' (the softcap factor is already in ds); dk = R^T dk'
@@ -530,12 +568,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
 @triton.jit
 def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd,
               sks_s, skp_s, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul,
-              cap_mul, slope2, aoff, blk_lo, blk_hi,
+              cap_mul, slope2, aoff, drop_rows, blk_lo, blk_hi,
               BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
               POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-              ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """With ROPE, (q, q2) and (dq, dq2) are the pair halves (rotated q; gradient w.r.t. it)."""
+              ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr):
+    """With ROPE, (q, q2) and (dq, dq2) are the pair halves (rotated q; gradient w.r.t. it). With
+    DROPOUT, drop_rows are the query rows' dropout bits ([BLOCK_M, 1])."""
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < Sk
@@ -553,6 +593,8 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
             s2 = s2 - slope2 * tl.abs(offs_m[:, None] + aoff - cols[None, :]).to(tl.float32)
         p = tl.exp2(s2 - m2[:, None]) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PRECISION)
+        if DROPOUT > 0:
+            dp = drop.dropped(dp, drop.keep(drop_rows, drop.col_bits(cols)[None, :], DROP_THRESHOLD), DROPOUT)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -573,18 +615,19 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
     return dq, dq2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=drop.SEED_ARGS)
 def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                    sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                    sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
                    sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                   Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff,
+                   Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, seed0, seed1,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
                    ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    RATE: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
-                   HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1):
+                   HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1, DROPOUT: tl.constexpr = 0.0,
+                   DROP_THRESHOLD: tl.constexpr = 0):
     """grid (cdiv(Sq, BLOCK_M), Hq, B). With ROPE, dQ is rotated back (R^T) before the store. With a
     row map, Hq is the grid's head count, Q, K, V, DO are slot views and DQ is compact."""
     pid_m = tl.program_id(0)
@@ -625,6 +668,10 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     v_base = V + b * svb + hk * svh
     ks_base = KSEG + bs * sksb
 
+    drop_rows = None  # the query rows' dropout bits
+    if DROPOUT > 0:
+        drop_rows = drop.row_bits(drop.stream(seed0, seed1, b * Hq + h), offs_m)[:, None]
+
     if ROPE:
         dq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         dq2 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -634,16 +681,19 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
-                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
+                        score_mul, cap_mul, slope2, aoff, drop_rows, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H,
+                        True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
+                        HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, False, IS_CAUSAL, HAS_WINDOW,
-                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
+                        score_mul, cap_mul, slope2, aoff, drop_rows, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H,
+                        False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
+                        HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H, True, IS_CAUSAL, HAS_WINDOW,
-                        HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION, HAS_ALIBI)
+                        score_mul, cap_mul, slope2, aoff, drop_rows, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H,
+                        True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
+                        HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
     if ROPE:
         store_unrotated(DQ + b * sdqb + h * sdqh, offs_m, m_ok, sdqs, sdqd, dq * sm_scale, dq2 * sm_scale,
                         QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
@@ -710,9 +760,20 @@ def _flags(causal, window, q_ids, softcap):
                 HAS_SOFTCAP=softcap is not None)
 
 
+def _dropout_args(dropout, row_map):
+    """((seed0, seed1) scalars, constexprs) of a launch: dropout = (rate, (s0, s1)) or None."""
+    if dropout is None:
+        return drop.seed_args(None), {}
+    if row_map is not None:
+        raise NotImplementedError("dropout with a row map (dilated attention) is not implemented")
+    rate, seed = dropout
+    return drop.seed_args(seed), drop.constexprs(rate)
+
+
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
             rope=None, q_pos=None, kv_pos=None, config: BlockSizes | None = None, alibi=None,
-            row_map: RowMap | None = None, grid_heads: int | None = None, out_dtype: torch.dtype | None = None):
+            row_map: RowMap | None = None, grid_heads: int | None = None, out_dtype: torch.dtype | None = None,
+            dropout=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse, stats).
 
     lse [B, Hq, Sq] fp32 natural log (-inf for rows with no visible key); stats = (m2, inv_l), each
@@ -722,7 +783,8 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     row_map: an `attn_spec.dilation.RowMap` (with `grid_heads`, the heads it runs) or None: q, k, v
     are then slot views `[B', L, rate * heads, D]` (and q_ids / kv_ids `[B' * rate, L]`), and out,
     lse, stats come compact, `[B', L, grid_heads, D]` / `[B', grid_heads, L]` (no RoPE, ALiBi,
-    window or softcap with it). out_dtype: out's dtype (default q.dtype).
+    window or softcap with it). out_dtype: out's dtype (default q.dtype). dropout: (rate, (s0, s1))
+    (the seed words of `attn_spec.dropout`) or None; no row map with it.
     Inputs are assumed validated (see torch_ref.ops.common.validation).
     """
     B, Sq, Hq, D = q.shape
@@ -738,23 +800,25 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     alibi_args = _alibi_args(alibi, q)
+    seeds, drop_kw = _dropout_args(dropout, row_map)
     grid = (triton.cdiv(Sq, cfg.block_q), Hq, B)
     with device_ctx(q):
         _fwd_kernel[grid](
             q, k, v, out, lse, m2, inv_l, qseg, kseg, *rope_ptrs,
             block_ranges(causal, window, Sq, Sk, cfg.block_q, cfg.block_k, key_major=False, device=q.device),
             alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
-            Hq, group, Sq, Sk, score_mul, cap_mul, left, right, *alibi_args[1:],
+            Hq, group, Sq, Sk, score_mul, cap_mul, left, right, *alibi_args[1:], *seeds,
             HEAD_DIM=D, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, BLOCK_D=block_d(D),
             PRECISION=precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **_flags(causal, window, q_ids, softcap), **rope_flags, HAS_ALIBI=alibi is not None, **map_kw)
+            **_flags(causal, window, q_ids, softcap), **rope_flags, HAS_ALIBI=alibi is not None, **map_kw,
+            **drop_kw)
     return out, lse, (m2, inv_l)
 
 
 def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None,
              softcap=None, rope=None, q_pos=None, kv_pos=None, dlse=None, config: BlockSizes | None = None,
              alibi=None, delta=None, row_map: RowMap | None = None, grid_heads: int | None = None,
-             grad_dtype: torch.dtype | None = None):
+             grad_dtype: torch.dtype | None = None, dropout=None):
     """Gradients (dq, dk, dv) shaped like q, k, v, from dO [B, Sq, Hq, D], the forward's `out`
     and `stats`, and optionally the cotangent of the natural lse `dlse [B, Hq, Sq]`.
 
@@ -767,7 +831,8 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     stats and delta compact `[B', grid_heads, L]`, and the gradients come compact: dq
     `[B', L, grid_heads, D]`, dk / dv `[B', L, grid_heads // group, D]`, or `[B', L, grid_heads, D]`
     per query head when `dkv_per_query_head(row_map, grid_heads)` (the caller sums each GQA group).
-    grad_dtype: the gradients' dtype (default the inputs').
+    grad_dtype: the gradients' dtype (default the inputs'). dropout: the forward's (the same seed
+    regenerates its mask); delta is unchanged by it (sum_j P~_ij dP_ij = dO_i . O_i).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -791,11 +856,12 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
+    seeds, drop_kw = _dropout_args(dropout, row_map)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), PRECISION=precision(q.dtype), num_warps=cfg.num_warps_bwd,
                   num_stages=cfg.num_stages_bwd, **_flags(causal, window, q_ids, softcap), **rope_flags,
-                  HAS_ALIBI=alibi is not None)
+                  HAS_ALIBI=alibi is not None, **drop_kw)
     alibi_args = _alibi_args(alibi, q)
-    scalars = (Hq, group, Sq, Sk, score_mul, cap_mul, scale, left, right, *alibi_args[1:])
+    scalars = (Hq, group, Sq, Sk, score_mul, cap_mul, scale, left, right, *alibi_args[1:], *seeds)
     dkv_kw = dict(map_kw, DKV_PER_QHEAD=True) if per_qhead else map_kw
     with device_ctx(q):
         _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_k_dkv), Hkv, B)](
@@ -820,13 +886,13 @@ class FlashAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos, config=None,
-                alibi=None):
+                alibi=None, dropout=None):
         out, lse, stats = forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
                                   window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
-                                  config=config, alibi=alibi)
+                                  config=config, alibi=alibi, dropout=dropout)
         ctx.save_for_backward(q, k, v, out, *stats, q_ids, kv_ids, q_pos, kv_pos)
         ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, config=config,
-                        alibi=alibi)
+                        alibi=alibi, dropout=dropout)
         return out, lse
 
     @staticmethod
@@ -836,7 +902,7 @@ class FlashAttentionFn(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dq, dk, dv = backward(dout, q, k, v, out, (m2, inv_l), q_ids=q_ids, kv_ids=kv_ids, dlse=dlse,
                               q_pos=q_pos, kv_pos=kv_pos, **ctx.opts)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 __all__ = ["BlockSizes", "default_block_sizes", "block_d", "forward", "backward", "FlashAttentionFn", "INTERPRETED",

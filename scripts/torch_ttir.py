@@ -1,0 +1,100 @@
+"""Dump the TTIR of torch_ref's softmax kernels (forward, dK/dV, dQ) for a fixed set of configurations,
+one file per kernel, compiled for sm_90 without a GPU: a change that must not touch the kernels
+(a constexpr-gated feature, off) leaves every file identical. The torch counterpart of
+scripts/trace_kernels.py.
+
+  python scripts/torch_ttir.py OUT_DIR           (then: diff -r BEFORE_DIR OUT_DIR)
+  python scripts/torch_ttir.py OUT_DIR --dropout (the dropout kernels too: they compile)
+
+The launchers (`forward`, `backward`) run on CPU tensors with the Triton JIT's launch replaced by
+a compile to TTIR (`triton.compile`'s front end and TTIR passes for GPUTarget("cuda", 90, 32), the
+specialisation the launcher would use); source locations are stripped. Uses Triton's JIT internals
+(`create_function_from_signature`, `JITFunction._pack_args`; Triton 3.9).
+"""
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # the compiled kernels
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime import jit as triton_jit  # noqa: E402
+
+from attn_spec.dilation import RowMap  # noqa: E402
+from torch_ref import Rope  # noqa: E402
+from torch_ref.ops.softmax import triton as K  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+_current = [""]
+
+
+def strip_locations(ttir: str) -> str:
+    lines = [line for line in ttir.splitlines() if not line.startswith("#loc")]
+    return "\n".join(re.sub(r"\s*loc\([^()]*(\([^()]*\))?[^()]*\)", "", line) for line in lines) + "\n"
+
+
+def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
+    binder = triton_jit.create_function_from_signature(self.signature, self.params, BACKEND)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound, specialization, options)
+    src = ASTSource(self, signature, constexprs, attrs)
+    opts = BACKEND.parse_options(options.__dict__)
+    context = triton._C.libtriton.ir.context()
+    triton._C.libtriton.ir.load_dialects(context)
+    BACKEND.load_dialects(context)
+    module = src.make_ir(TARGET, opts, BACKEND.get_codegen_implementation(opts), BACKEND.get_module_map(), context)
+    stages = {}
+    BACKEND.add_stages(stages, opts, src.language)
+    module = stages["ttir"](module, {})
+    with open(os.path.join(OUT, f"{_current[0]}__{self.fn.__name__}.ttir"), "w") as f:
+        f.write(strip_locations(str(module)))
+
+
+def run(name, B=2, Sq=100, Sk=100, Hq=4, Hkv=2, D=64, dtype=torch.float16, causal=False, segments=False, **kw):
+    """Launch forward and backward (compiled to TTIR, not run) for one configuration."""
+    _current[0] = f"{name}_{str(dtype).split('.')[1]}"
+    q = torch.randn(B, Sq, Hq, D).to(dtype)
+    k = torch.randn(B, Sk, Hkv, D).to(dtype)
+    if segments:
+        kw.update(q_ids=torch.zeros(B, Sq, dtype=torch.int32), kv_ids=torch.zeros(B, Sk, dtype=torch.int32))
+    if kw.get("rope") is not None:
+        kw.update(q_pos=torch.arange(Sq, dtype=torch.int32).expand(B, Sq),
+                  kv_pos=torch.arange(Sk, dtype=torch.int32).expand(B, Sk))
+    config = K.default_block_sizes(D, dtype, True)
+    K.forward(q, k, k, causal=causal, scale=0.125, config=config, **kw)
+    stats = (torch.zeros(B, Hq, Sq), torch.zeros(B, Hq, Sq))
+    K.backward(q, q, k, k, q, stats, causal=causal, scale=0.125, config=config, **kw)
+
+
+def main():
+    triton_jit.JITFunction.run = _compile_instead_of_launch
+    for dt in (torch.float16, torch.float32):
+        run("dense", dtype=dt)
+        run("causal", causal=True, dtype=dt)
+        run("window_segments", window=(16, 8), segments=True, dtype=dt)
+        run("softcap_causal", causal=True, softcap=5.0, dtype=dt)
+        run("rope_causal", causal=True, rope=Rope(style="half"), dtype=dt)
+        run("rope_interleaved", rope=Rope(style="interleaved"), D=40, dtype=dt)
+        run("alibi", alibi=(torch.ones(4), 3), causal=True, dtype=dt)
+        run("d128_mha", Hkv=4, D=128, dtype=dt)
+        # row maps (dilated): q, k, v as slot views [B', L, rate * heads, D]
+        run("rowmap_rate2", Hq=8, Hkv=4, dtype=dt, row_map=RowMap(rate=2, heads=4, kv_heads=2), grid_heads=4)
+        run("rowmap_fixed_causal", Hq=8, Hkv=4, dtype=dt, causal=True,
+            row_map=RowMap(rate=2, heads=4, kv_heads=2, offset=1), grid_heads=4)
+    if "--dropout" in sys.argv:
+        for dt in (torch.float16, torch.bfloat16, torch.float32):
+            run("dropout_dense", dtype=dt, dropout=(0.1, (5, 2 ** 32 - 1)))
+            run("dropout_causal_segments", causal=True, segments=True, dtype=dt, dropout=(0.5, (2 ** 31, 3)))
+            run("dropout_rope_alibi_softcap", rope=Rope(style="half"), alibi=(torch.ones(4), 0), softcap=3.0,
+                dtype=dt, dropout=(0.2, (1, 1)))
+    print(f"{len(os.listdir(OUT))} files in {OUT}")
+
+
+if __name__ == "__main__":
+    OUT = [a for a in sys.argv[1:] if not a.startswith("--")][0]
+    os.makedirs(OUT, exist_ok=True)
+    main()
