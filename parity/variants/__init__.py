@@ -2,7 +2,7 @@
 about it, and the only places that know how the variant is called.
 
 A `VariantRecord` holds
-  - `name`: the variant ("softmax", "stick_breaking"), also its key in both registries
+  - `name`: the variant ("softmax", "stick_breaking", "dilated"), also its key in both registries
     (`jax_attn.registry.REGISTRY`, `torch_ref.registry.REGISTRY`);
   - `quantities`: what is compared, in order (forward quantities first: `forward`);
   - `draw(case) -> Inputs`: the seeded float64 NumPy inputs, random cotangents included;
@@ -151,6 +151,7 @@ def stat_dtype(dtype: str) -> str:
 
 from parity.variants.softmax import SOFTMAX  # noqa: E402
 from parity.variants.stick_breaking import STICK_BREAKING  # noqa: E402
+from parity.variants.dilated import DILATED  # noqa: E402
 
-RECORDS: tuple[VariantRecord, ...] = (SOFTMAX, STICK_BREAKING)
+RECORDS: tuple[VariantRecord, ...] = (SOFTMAX, STICK_BREAKING, DILATED)
 BY_NAME = {r.name: r for r in RECORDS}
