@@ -24,6 +24,8 @@ Columns:
     torch_ref        torch_ref.flash_attention(implementation="triton")
     alibi_triton     pallas_triton with ALiBi (the paper's slopes): its cost over pallas_triton
     torch_ref_alibi  torch_ref with ALiBi: its cost over torch_ref
+    dropout_triton   pallas_triton with attention dropout 0.1: its cost over pallas_triton
+    torch_ref_dropout  torch_ref with attention dropout 0.1: its cost over torch_ref
 
 Anchors that do not import (tokamax, torch) or do not take a case (mha with GQA) are "absent" rows.
 """
@@ -60,13 +62,17 @@ def alibi_slopes(heads: int):
     return [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
 
 
-def ours(implementation, alibi=False):
+DROPOUT = 0.1
+
+
+def ours(implementation, alibi=False, dropout=False):
     def build(case, opts):
         import jax.numpy as jnp
         import jax_attn
         slopes = jnp.asarray(alibi_slopes(case.H), jnp.float32) if alibi else None
+        extra = dict(dropout_rate=DROPOUT, dropout_key=jax.random.key(0)) if dropout else {}
         return lambda q, k, v: jax_attn.flash_attention(q, k, v, causal=case.causal, alibi_slopes=slopes,
-                                                        implementation=implementation)
+                                                        implementation=implementation, **extra)
     return build
 
 
@@ -119,7 +125,7 @@ def torch_sdpa(backend: str):
     return build
 
 
-def torch_ref_build(alibi=False):
+def torch_ref_build(alibi=False, dropout=False):
     def build(case, opts):
         torch_ref, why = harness.optional_import("torch_ref")
         if torch_ref is None:
@@ -130,8 +136,9 @@ def torch_ref_build(alibi=False):
             import torch
             slopes = torch.tensor(alibi_slopes(case.H), dtype=torch.float32,
                                   device="cpu" if opts.smoke else "cuda")
+        extra = dict(dropout_rate=DROPOUT, dropout_seed=0) if dropout else {}
         return lambda q, k, v: torch_ref.flash_attention(q, k, v, causal=case.causal, alibi_slopes=slopes,
-                                                         implementation=impl)
+                                                         implementation=impl, **extra)
     return build
 
 
@@ -154,6 +161,8 @@ COLUMNS = [
     Column("torch_ref", torch_ref_build(), framework="torch", note=smoke_note),
     Column("alibi_triton", ours("pallas_triton", alibi=True)),
     Column("torch_ref_alibi", torch_ref_build(alibi=True), framework="torch", note=smoke_note),
+    Column("dropout_triton", ours("pallas_triton", dropout=True)),
+    Column("torch_ref_dropout", torch_ref_build(dropout=True), framework="torch", note=smoke_note),
 ]
 
 
