@@ -171,10 +171,13 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
         branch keeps returns 0 (lse -inf), never NaN.
       scale: score scale, default D ** -0.5.
       return_lse: also return lse [B, H, S] float32 (natural log, the merged statistic).
-      implementation: None ("triton" where Pallas Triton runs, else "xla"), "triton" (every
-        branch one call of the flash engine reading the dilated rows in place through a row
-        map; merged on the row statistics) or "xla" (plain jnp: gather, dense attention per
-        segment, merge). Errors as for `flash_attention`.
+      implementation: None (as `flash_attention`: "mosaic" where the Hopper kernels serve the
+        call, else "triton" where Pallas Triton runs, else "xla"), "triton" (every branch one
+        call of the flash engine reading the dilated rows in place through a row map; merged on
+        the row statistics), "mosaic" (the same on the Hopper kernels, 16-bit, head dims 33 to
+        128; a branch that needs segment ids, i.e. padding without causality, runs on the
+        Triton kernels) or "xla" (plain jnp: gather, dense attention per segment, merge). Errors
+        as for `flash_attention`.
       config: a `BlockSizes` for "triton" (each branch's tiles); None: its default.
 
     Returns: out [B, S, H, D] in q.dtype, or (out, lse).

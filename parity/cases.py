@@ -1,7 +1,7 @@
 """What a parity case is: a variant's call at one shape and dtype, with its seeded inputs.
 
 A `Case` names its variant (the `VariantRecord` of `parity.variants` that runs it: "softmax" —
-`flash_attention`, with or without fused RoPE — or "stick_breaking", Sq == Sk), its shape
+`flash_attention`, with or without fused RoPE, "stick_breaking" or "dilated", Sq == Sk), its shape
 (B, Sq, Sk, Hq, Hkv, D), its compute dtype, the keyword arguments of the call and how the inputs
 beyond q, k, v are drawn (segment ids, RoPE positions, a random cotangent on the row statistic,
 the input magnitude). The record's `draw(case)` draws them from the case's seed in NumPy, once,
@@ -27,7 +27,7 @@ POSITIONS = (None, "restart_per_segment", "restart_halfway", "pair_random", "pai
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    variant: str  # the record's name: "softmax" | "stick_breaking"
+    variant: str  # the record's name: "softmax" | "stick_breaking" | "dilated"
     shape: tuple[int, int, int, int, int, int]  # B, Sq, Sk, Hq, Hkv, D
     dtype: str  # "float32" | "float16" | "bfloat16"
     kwargs: tuple[tuple[str, Any], ...] = ()
