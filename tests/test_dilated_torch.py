@@ -24,6 +24,10 @@ CASES = [
     ("segment-past-sequence-gqa", 1, 37, 4, 2, (16, 100), (1, 4), True, "lse", torch.float32),
     ("groups-split-kv-heads", 1, 29, 4, 2, (8, 16, 32, 64), (1, 2, 2, 4), False, "head_groups", torch.float32),
     ("rows-kept-by-none-mqa", 1, 30, 2, 1, (8, 16), (2, 4), False, "lse", torch.float16),
+    # GQA groups of 4 at rates 2, 4: two query heads of a group share an offset (dk / dv add in rounds)
+    ("gqa-group-shares-offsets", 1, 32, 8, 2, (8, 16, 32), (1, 2, 4), True, "lse", torch.float32),
+    # groups of 3 at rate 2: the heads of an offset are no arithmetic run (gathered, index_add_)
+    ("gqa-group3-rate2-partial", 1, 24, 12, 4, (8, 16), (1, 2), False, "lse", torch.float32),
 ]
 
 
