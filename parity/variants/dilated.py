@@ -68,8 +68,11 @@ CASES = (
     _dl_case("dl_fp16_head_groups_scale_50", (1, 50, 6, 2, 40), (8, 20, 64), (1, 2, 4), "float16",
              merge="head_groups", scale=0.3),
     # GPU only: half precision at realistic sizes (the Triton interpreter computes bf16 dots wrongly).
-    *(_dl_case(f"dl_bf16_{merge}_causal_1000_gqa", (2, 1000, 8, 4, 64), (128, 256, 512), (1, 2, 4), "bfloat16",
-               merge=merge, causal=True, gpu=True) for merge in ("lse", "head_groups")),
+    # (head_groups: four branches, two heads each)
+    _dl_case("dl_bf16_lse_causal_1000_gqa", (2, 1000, 8, 4, 64), (128, 256, 512), (1, 2, 4), "bfloat16",
+             causal=True, gpu=True),
+    _dl_case("dl_bf16_head_groups_causal_1000_gqa", (2, 1000, 8, 4, 64), (128, 256, 512, 1000), (1, 2, 4, 8),
+             "bfloat16", merge="head_groups", causal=True, gpu=True),
     _dl_case("dl_bf16_free_view_4k", (1, 4096, 8, 2, 128), (1024, 2048, 4096), (1, 2, 4), "bfloat16", gpu=True),
     _dl_case("dl_fp16_coprime_1k", (1, 1000, 6, 2, 64), (300, 700), (3, 7), "float16", causal=True, gpu=True),
     _dl_case("dl_fp32_head_groups_2k", (1, 2048, 4, 2, 64), (512, 2048), (1, 4), merge="head_groups", gpu=True),
@@ -113,8 +116,10 @@ GRID = (
              slow=True, seed=0),
     # Compiled kernels at realistic shapes (make test-gpu).
     # (tests/test_dilated.py adds bf16 B=2, S=1000, H=8, Hkv=4, D=64, causal, both merges, and determinism)
-    *(_dl_case(f"gpu_bf16_{merge}_dense_2000_d128", (1, 2000, 8, 2, 128), (256, 512, 1024), (1, 2, 4), "bfloat16",
-               merge=merge, gpu=True) for merge in ("lse", "head_groups")),
+    _dl_case("gpu_bf16_lse_dense_2000_d128", (1, 2000, 8, 2, 128), (256, 512, 1024), (1, 2, 4), "bfloat16",
+             gpu=True),
+    _dl_case("gpu_bf16_head_groups_dense_2000_d128", (1, 2000, 8, 2, 128), (256, 512, 1024, 2000), (1, 2, 4, 8),
+             "bfloat16", merge="head_groups", gpu=True),
     *(_dl_case(f"gpu_fp16_{merge}_coprime_1000", (2, 1000, 8, 4, 64), (300, 700), (3, 7), "float16", merge=merge,
                causal=True, gpu=True) for merge in ("lse", "head_groups")),
     _dl_case("gpu_bf16_free_view_4k_d128", (1, 4096, 8, 2, 128), (1024, 2048, 4096), (1, 2, 4), "bfloat16",

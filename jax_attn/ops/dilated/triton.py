@@ -140,7 +140,8 @@ def _forward(st: _Static, q, k, v):
     total = functools.reduce(jnp.add, weights)
     empty = total == 0.0  # kept by no branch: out 0, lse -inf
     inv_total = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
-    out = functools.reduce(jnp.add, [w[..., None] * o for w, o in zip(weights, outs)]) * inv_total[..., None]
+    out = functools.reduce(jnp.add, [w[..., None] * o.astype(jnp.float32) for w, o in zip(weights, outs)])
+    out = out * inv_total[..., None]
     lse = jnp.where(empty, -jnp.inf, (m_safe + jnp.log2(jnp.where(empty, 1.0, total))) / LOG2E)
     to_bhs = lambda x: x.transpose(0, 2, 1)
     return out.astype(q.dtype), to_bhs(lse), to_bhs(jnp.where(empty, jnp.inf, m)), to_bhs(inv_total)

@@ -194,7 +194,8 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         p = jnp.exp2(s - m_safe[:, None])
         l = l * alpha + p.sum(axis=1)
         if spec.dropout:  # the sum l is the softmax's; dropout acts on the probabilities after it
-            p = _dropped(spec, p, row_bits, (start + jnp.arange(block_k))[None, :])
+            keep = dropout.keep(row_bits, (start + jnp.arange(block_k))[None, :], spec.dropout)
+            p = jnp.where(keep, p, 0.0)  # 1 / (1 - rate): once a row, below
         acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v, spec)
         return m_new, l, acc
 
@@ -204,7 +205,8 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     empty = l == 0.0  # no visible key: output 0, lse -inf
     l_safe = jnp.where(empty, 1.0, l)
     inv_l = 1.0 / l_safe
-    o_ref[...] = (acc * inv_l[:, None]).astype(o_ref.dtype)
+    o_scale = inv_l * (1.0 / (1.0 - spec.dropout)) if spec.dropout else inv_l
+    o_ref[...] = (acc * o_scale[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) / LOG2E)
     # For the backward: P = exp2(s2 - m2) * inv_l. Recomputing P from lse instead would put
     # ulp(lse) of absolute error into every exponent, too much for fp32 gradients. Rows with no

@@ -67,8 +67,16 @@ def col_bits(cols):
 
 @triton.jit
 def keep(row, col, DROP_THRESHOLD: tl.constexpr):
-    """row and column bits broadcast against each other -> True where kept."""
-    return (mix(row ^ col) >> 1).to(tl.int32) >= DROP_THRESHOLD
+    """row and column bits broadcast against each other -> True where kept (`plan.scramble`)."""
+    x = row ^ col
+    x = (x ^ (x >> 16)) * tl.cast(MIX1, tl.uint32)
+    return (x >> 1).to(tl.int32) >= DROP_THRESHOLD
+
+
+@triton.jit
+def kept_only(x, kept):
+    """x where kept, else 0 (the 1 / (1 - rate) applied once to the row's sum instead)."""
+    return tl.where(kept, x, 0.0)
 
 
 @triton.jit

@@ -256,7 +256,7 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
         p = tl.exp2(s2 - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DROPOUT > 0:  # l is the softmax's sum; dropout acts on the probabilities after it
-            p = drop.dropped(p, drop.keep(drop_rows, drop.col_bits(cols)[None, :], DROP_THRESHOLD), DROPOUT)
+            p = drop.kept_only(p, drop.keep(drop_rows, drop.col_bits(cols)[None, :], DROP_THRESHOLD))
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
@@ -339,7 +339,10 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     inv_l = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), l_safe)  # correctly rounded, once a row
-    out = acc * inv_l[:, None]
+    if DROPOUT > 0:  # the kept probabilities' 1 / (1 - rate), once a row
+        out = acc * (inv_l * (1.0 / (1.0 - DROPOUT)))[:, None]
+    else:
+        out = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
