@@ -72,12 +72,12 @@ def cases(opts):
                 DilatedCase("dense", 1, 256, 4, 64)]
     lengths = (8192, 32768) if opts.quick else (8192, 32768, 131072)
     out = []
-    for s in lengths:
+    for s in lengths:  # each length's dense row beside its dilated one
         out.append(DilatedCase("dilated", 1, s, 16, 128, params={"segments": CONFIG[0], "rates": CONFIG[1]}))
+        out.append(DilatedCase("dense", 1, s, 16, 128))
     out.append(DilatedCase("dilated4", 1, 32768, 16, 128, params={"segments": CONFIG4[0], "rates": CONFIG4[1]}))
     if not opts.quick:
         out.append(DilatedCase("ladder", 1, 131072, 16, 128, params={"segments": LADDER[0], "rates": LADDER[1]}))
-    out += [DilatedCase("dense", 1, s, 16, 128) for s in lengths]
     return out
 
 
