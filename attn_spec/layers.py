@@ -10,6 +10,12 @@ A layer's attention kind and its position scheme are two separate arguments:
   attention="dilated":        `dilated_attention` (LongNet, arXiv 2307.02486) with segment_lengths,
                               dilation_rates (both required), merge ("lse" | "head_groups") and
                               causal; no window, softcap, decay or segment ids.
+  dropout_rate:               attention dropout (probabilities zeroed after the softmax, the rest
+                              scaled by 1 / (1 - rate); the mask of `attn_spec.dropout`), a float in
+                              [0, 1), attention="softmax" only. The layers apply it in training
+                              only: Flax's `deterministic` (`model.train()` / `model.eval()`) with a
+                              `dropout_key` or the layer's dropout stream, torch's `training` with a
+                              `dropout_seed` or one drawn from torch's generator.
   position="none":     no position information (permutation-equivariant unless causal / windowed).
   position="absolute": the sinusoidal table of `attn_spec.positions` is added to the attention
                        input before the q/k/v projections (at `positions` when given, else at
@@ -42,8 +48,8 @@ _DILATED_ONLY = {"segment_lengths": None, "dilation_rates": None, "merge": "lse"
 # attention kind -> {argument it does not take: the neutral value that argument must keep}
 UNUSED_BY = {
     "softmax": {"decay": 0.0, "learn_decay": False, **_DILATED_ONLY},
-    "stick_breaking": {"window": None, "softcap": None, **_DILATED_ONLY},
-    "dilated": {"window": None, "softcap": None, "decay": 0.0, "learn_decay": False},
+    "stick_breaking": {"window": None, "softcap": None, "dropout_rate": 0.0, **_DILATED_ONLY},
+    "dilated": {"window": None, "softcap": None, "decay": 0.0, "learn_decay": False, "dropout_rate": 0.0},
 }
 # call arguments an attention kind refuses
 CALL_ARGS_UNUSED_BY = {"stick_breaking": ("segment_ids",), "dilated": ("segment_ids",)}
@@ -58,6 +64,14 @@ def positive_int(name: str, value) -> int:
 def feed_forward_width(d_model: int, d_ff) -> int:
     """The encoder block's MLP width: d_ff, by default 4 * d_model."""
     return 4 * d_model if d_ff is None else positive_int("d_ff", d_ff)
+
+
+def check_dropout_rate(dropout_rate) -> float:
+    """Attention dropout's rate: a float in [0, 1)."""
+    if (not isinstance(dropout_rate, numbers.Real) or isinstance(dropout_rate, bool)
+            or not 0.0 <= dropout_rate < 1.0):
+        raise ValueError(f"dropout_rate must be a float in [0, 1), got dropout_rate={dropout_rate!r}")
+    return float(dropout_rate)
 
 
 def inverse_softplus(y: float) -> float:
@@ -82,10 +96,14 @@ class DilatedSpec:
 
 
 def check_dilated_args(segment_lengths, dilation_rates, *, causal=False, merge="lse", scale=None,
-                       num_heads=None) -> DilatedSpec:
+                       num_heads=None, dropout_rate=0.0) -> DilatedSpec:
     """Validate a dilated configuration -> `DilatedSpec`. With num_heads (a multi-head layer) the
     head count is checked against merge="head_groups" too; without (`DilatedAttention`, whose
-    heads come with q) `dilated_attention` checks it at the call."""
+    heads come with q) `dilated_attention` checks it at the call. dropout_rate must stay 0:
+    dilated attention has no dropout."""
+    if check_dropout_rate(dropout_rate):
+        raise ValueError(f"dilated attention has no dropout: dropout_rate must be 0.0, "
+                         f"got dropout_rate={dropout_rate!r}")
     missing = [name for name, value in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates))
                if value is None]
     if missing:
@@ -126,6 +144,7 @@ class LayerSpec:
     qkv_features: int
     out_features: int
     width_name: str  # what the layer calls its input width: "d_model" or "in_features"
+    dropout_rate: float = 0.0  # attention dropout in training (attention="softmax" only)
 
     @property
     def rope_outside_kernel(self) -> bool:
@@ -183,14 +202,15 @@ def check_positions_shape(shape, batch: int, length: int) -> None:
 
 def check_layer_args(d_model, num_heads, num_kv_heads=None, *, attention="softmax", position="none",
                      rope=Rope(), causal=False, window=None, softcap=None, decay=0.0,
-                     learn_decay=False, segment_lengths=None, dilation_rates=None, merge="lse") -> LayerSpec:
+                     learn_decay=False, segment_lengths=None, dilation_rates=None, merge="lse",
+                     dropout_rate=0.0) -> LayerSpec:
     """Validate a self-attention layer's arguments (with the layers' defaults); -> the `LayerSpec`.
     Where position != "rope", rope must be the default `Rope()` or None."""
     d_model = positive_int("d_model", d_model)
     return _check(d_model, d_model, d_model, num_heads, num_kv_heads, ("d_model", "d_model"), attention=attention,
                   position=position, rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
                   learn_decay=learn_decay, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-                  merge=merge)
+                  merge=merge, dropout_rate=dropout_rate)
 
 
 def check_multihead_args(num_heads, in_features, qkv_features=None, out_features=None, num_kv_heads=None,
@@ -212,7 +232,7 @@ def _is_neutral(value, neutral) -> bool:
 
 def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, *, attention="softmax",
            position="none", rope=Rope(), causal=False, window=None, softcap=None, decay=0.0, learn_decay=False,
-           segment_lengths=None, dilation_rates=None, merge="lse") -> LayerSpec:
+           segment_lengths=None, dilation_rates=None, merge="lse", dropout_rate=0.0) -> LayerSpec:
     """names: what the caller calls (the input width, the q width)."""
     width_name, qkv_name = names
     num_heads = positive_int("num_heads", num_heads)
@@ -238,8 +258,10 @@ def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, 
         raise ValueError(f"rope={rope!r} applies to position='rope' only, not position={position!r}")
     if not isinstance(decay, numbers.Real) or isinstance(decay, bool) or not 0 <= decay < math.inf:
         raise ValueError(f"decay must be a finite float >= 0, got decay={decay!r}")
+    check_dropout_rate(dropout_rate)
     given = dict(window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
-                 segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge)
+                 segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
+                 dropout_rate=dropout_rate)
     unused = [f"{name}={given[name]!r}" for name, neutral in UNUSED_BY[attention].items()
               if not _is_neutral(given[name], neutral)]
     if unused:
@@ -256,4 +278,4 @@ def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, 
                                      num_heads=num_heads)
     return LayerSpec(d_model, num_heads, num_kv_heads, head_dim, attention, position,
                      rope if position == "rope" else None, bool(causal), window, softcap, float(decay),
-                     bool(learn_decay), dilated, qkv_features, out_features, width_name)
+                     bool(learn_decay), dilated, qkv_features, out_features, width_name, float(dropout_rate))

@@ -13,6 +13,11 @@ EVERY parameter (quantity "d <torch name>"), each with the tolerance rule of `pa
   naive  = the plain implementations in the compute dtype ("xla" / "eager"; for the kernels the
            larger of the two frameworks' errors, see `check_layer_case`);
   fast   = "jax pallas_triton" / "torch triton".
+Attention dropout (cases with `dropout_rate` > 0, softmax only): every call of both frameworks
+gets the same explicit seed (`LayerCase.dropout_seed`: the Flax layer `deterministic=False,
+dropout_key=wrap_key_data(seed_words(s))`, the torch twin in training mode `dropout_seed=s`), so
+every implementation, the float64 golden and the float64 JAX run drop the same elements; the
+training run seeds every step and block anew.
 fp32 throughout, with exact matmuls (`jax.default_matmul_precision("highest")` around the JAX
 computations, torch TF32 off). A row "golden torch-f64 vs jax-f64" checks that the Flax layer in
 float64 ("xla", weights from the torch golden through `torch_to_flax`) agrees with the golden to
@@ -25,9 +30,10 @@ synthetic target (the running mean of the first input features, which needs atte
 SGD, 20 steps, the same learning rate, identical initial weights (bridge) and identical batches in
 both frameworks; the loss of every step must pass the rule (golden: the float64 torch eager run; one
 allowance for the whole trajectory, see `_training_rows`), and the float64 JAX run must agree
-with the golden to 1e-10 at every step.
+with the golden to 1e-10 at every step. A fourth training case (softmax, absolute positions)
+trains with attention dropout 0.1, a fixed seed per step and block.
 
-CPU cost (the kernels run through interpreters there): only cases with `cpu_kernels=True` -- seven
+CPU cost (the kernels run through interpreters there): only cases with `cpu_kernels=True` -- eight
 layer cases -- run "jax pallas_triton" / "torch triton" on CPU; on a GPU every case runs them.
 The training run on CPU uses the plain implementations only ("xla", "eager", plus the row
 "jax xla (naive: torch eager)"): through the interpreter the Triton kernels need ~1 s per
@@ -59,6 +65,7 @@ from torch import nn  # noqa: E402
 
 import jax_attn.nn.layers as jl  # noqa: E402
 import torch_ref.nn.layers as tl  # noqa: E402
+from attn_spec.dropout import seed_words  # noqa: E402
 from attn_spec.rope import Rope  # noqa: E402
 from parity import bridge  # noqa: E402
 from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare  # noqa: E402
@@ -97,6 +104,7 @@ class LayerCase:
     steps: int = 20  # "train" only
     lr: float = 0.05  # "train" only
     d_out: int = 4  # "train" only
+    dropout_rate: float = 0.0  # attention dropout (softmax), seeded per call by `dropout_seed`
     seed: int = 0
     variant: str = "layers"
     gpu: bool = False
@@ -111,7 +119,25 @@ class LayerCase:
             kwargs["attention"] = self.attention
         if self.position == "rope":
             kwargs["rope"] = Rope(style=self.rope_style)
+        if self.dropout_rate:
+            kwargs["dropout_rate"] = self.dropout_rate
         return kwargs
+
+    def dropout_seed(self, call: int = 0) -> int:
+        """The dropout seed of the case's call `call` (training: step * num_blocks + block), the same
+        in both frameworks: the case's seed in the high word, the call in the low one."""
+        return (self.seed << 32) | call
+
+    def dropout_kwargs(self, framework: str, call: int = 0) -> dict:
+        """The dropout keywords of a call of the case's layer or block ({} without dropout): JAX
+        deterministic=False and the key of `dropout_seed(call)`, torch that seed."""
+        if not self.dropout_rate:
+            return {}
+        seed = self.dropout_seed(call)
+        if framework == "torch":
+            return dict(dropout_seed=seed)
+        key = jax.random.wrap_key_data(jnp.asarray(seed_words(seed), jnp.uint32))
+        return dict(deterministic=False, dropout_key=key)
 
     def input_gradients(self) -> tuple[str, ...]:
         """The names of the input gradients compared."""
@@ -170,6 +196,13 @@ LAYER_CASES: list[LayerCase] = [
           rope_style="half", kwargs=(("segment_lengths", (4, 8, 16)), ("dilation_rates", (1, 2, 4)))),
     _case("train_encoder_dilated", "train", "absolute", (4, 16, 32, 4, 2), attention="dilated",
           kwargs=(("causal", True), ("segment_lengths", (4, 16)), ("dilation_rates", (1, 2)))),
+    # attention dropout (rate 0.1; one explicit seed per call in both frameworks)
+    _case("layer_attention_dropout_rope_gqa", "attention", "rope", (2, 16, 32, 4, 2), dropout_rate=0.1,
+          kwargs=(("causal", True),), cpu_kernels=True),
+    _case("layer_encoder_dropout_absolute_packed", "encoder", "absolute", (2, 16, 32, 4, 4), dropout_rate=0.1,
+          packed=True, kwargs=(("window", (6, 3)),), quick=True),
+    _case("train_encoder_dropout", "train", "absolute", (4, 16, 32, 4, 2), dropout_rate=0.1,
+          kwargs=(("causal", True),)),
 ]
 
 
@@ -212,9 +245,10 @@ class FlaxTinyEncoder(nnx.Module):
             for _ in range(case.num_blocks)])
         self.head = nnx.Linear(d_model, case.d_out, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
-        for block in self.blocks:
-            x = block(x)
+    def __call__(self, x, dropout_keys=None):
+        """dropout_keys: one dropout key per block (a key array [num_blocks]) or None (no dropout)."""
+        for i, block in enumerate(self.blocks):
+            x = block(x) if dropout_keys is None else block(x, deterministic=False, dropout_key=dropout_keys[i])
         return self.head(x)
 
 
@@ -230,9 +264,10 @@ class TorchTinyEncoder(nn.Module):
             for _ in range(case.num_blocks)])
         self.head = nn.Linear(d_model, case.d_out, dtype=dtype, device=device)
 
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
+    def forward(self, x, dropout_seeds=None):
+        """dropout_seeds: one dropout seed per block or None (no dropout)."""
+        for i, block in enumerate(self.blocks):
+            x = block(x) if dropout_seeds is None else block(x, dropout_seed=dropout_seeds[i])
         return self.head(x)
 
 
@@ -331,16 +366,17 @@ def run_jax_layer(module, case: LayerCase, dtype: str, inputs) -> dict[str, np.n
     xs, ct, seg, pos = inputs
     jdt = JAX_DTYPES[dtype]
     call_kwargs = case.call_kwargs(None if seg is None else jnp.asarray(seg), None if pos is None else jnp.asarray(pos))
-    graphdef, state = nnx.split(module)
+    call_kwargs.update(case.dropout_kwargs("jax"))
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # rest: a dropout layer's RNG stream
 
     @jax.jit
-    def fwd_bwd(state, xs, ct):
-        f = lambda state, *xs: nnx.merge(graphdef, state)(*xs, **call_kwargs)
-        out, vjp = jax.vjp(f, state, *xs)
+    def fwd_bwd(params, rest, xs, ct):
+        f = lambda params, *xs: nnx.merge(graphdef, params, rest)(*xs, **call_kwargs)
+        out, vjp = jax.vjp(f, params, *xs)
         dstate, *dxs = vjp(ct)
         return out, dstate, dxs
 
-    out, dstate, dxs = fwd_bwd(state, tuple(jnp.asarray(x, jdt) for x in xs), jnp.asarray(ct, jdt))
+    out, dstate, dxs = fwd_bwd(params, rest, tuple(jnp.asarray(x, jdt) for x in xs), jnp.asarray(ct, jdt))
     result = {"out": _np64(out), **{name: _np64(g) for name, g in zip(case.input_gradients(), dxs)}}
     result.update({f"d {name}": g for name, g in bridge.flax_tree_in_torch_layout(module, dstate).items()})
     return result
@@ -351,7 +387,7 @@ def run_torch_layer(module, case: LayerCase, dtype: str, inputs, device) -> dict
     tdt = TORCH_DTYPES[dtype]
     xts = tuple(torch.tensor(x, dtype=tdt, device=device, requires_grad=True) for x in xs)
     ids = lambda a: None if a is None else torch.tensor(a, dtype=torch.int32, device=device)
-    out = module(*xts, **case.call_kwargs(ids(seg), ids(pos)))
+    out = module(*xts, **case.call_kwargs(ids(seg), ids(pos)), **case.dropout_kwargs("torch"))
     named = list(module.named_parameters())
     grads = torch.autograd.grad(out, (*xts, *(p for _, p in named)), torch.tensor(ct, dtype=tdt, device=device))
     result = {"out": _np64(out), **{name: _np64(g) for name, g in zip(case.input_gradients(), grads)}}
@@ -373,21 +409,31 @@ def draw_training_data(case: LayerCase):
     return x, y
 
 
+def _step_seeds(case: LayerCase, step: int) -> list[int] | None:
+    """The dropout seeds of one training step, one per block (None without dropout)."""
+    if not case.dropout_rate:
+        return None
+    return [case.dropout_seed(step * case.num_blocks + block) for block in range(case.num_blocks)]
+
+
 def train_jax(module, case: LayerCase, dtype: str, data) -> np.ndarray:
     """Per-step losses (before each update) of plain SGD on a Flax model."""
     xs, ys = data
     jdt = JAX_DTYPES[dtype]
-    graphdef, params = nnx.split(module)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # rest: the dropout layers' RNG streams
 
     @jax.jit
-    def step(params, x, y):
-        loss_fn = lambda p: jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2)
+    def step(params, x, y, words):
+        keys = None if words is None else jax.random.wrap_key_data(words)
+        loss_fn = lambda p: jnp.mean((nnx.merge(graphdef, p, rest)(x, keys) - y) ** 2)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return loss, jax.tree.map(lambda p, g: p - case.lr * g, params, grads)
 
     losses = []
-    for x, y in zip(xs, ys):
-        loss, params = step(params, jnp.asarray(x, jdt), jnp.asarray(y, jdt))
+    for t, (x, y) in enumerate(zip(xs, ys)):
+        seeds = _step_seeds(case, t)
+        words = None if seeds is None else jnp.asarray([seed_words(s) for s in seeds], jnp.uint32)
+        loss, params = step(params, jnp.asarray(x, jdt), jnp.asarray(y, jdt), words)
         losses.append(float(loss))
     return np.asarray(losses)
 
@@ -397,8 +443,8 @@ def train_torch(module, case: LayerCase, dtype: str, data, device) -> np.ndarray
     tdt = TORCH_DTYPES[dtype]
     params = list(module.parameters())
     losses = []
-    for x, y in zip(xs, ys):
-        out = module(torch.tensor(x, dtype=tdt, device=device))
+    for t, (x, y) in enumerate(zip(xs, ys)):
+        out = module(torch.tensor(x, dtype=tdt, device=device), _step_seeds(case, t))
         loss = torch.mean((out - torch.tensor(y, dtype=tdt, device=device)) ** 2)
         grads = torch.autograd.grad(loss, params)
         with torch.no_grad():

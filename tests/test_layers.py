@@ -36,6 +36,7 @@ import torch_ref  # noqa: E402
 import torch_ref.nn.layers as tl  # noqa: E402
 import torch_ref.nn.positions as tp  # noqa: E402
 import torch_ref.ops.common.rope as trope  # noqa: E402
+from attn_spec.dropout import seed_words  # noqa: E402
 from attn_spec.layers import check_dilated_args, check_layer_args, check_multihead_args  # noqa: E402
 from attn_spec.rope import Rope  # noqa: E402
 from parity import bridge  # noqa: E402
@@ -475,7 +476,7 @@ def test_attention_fn_refuses_what_it_cannot_honour():
     fn = jl.make_attention_fn(implementation="xla")
     with pytest.raises(NotImplementedError, match="mask arrays are not supported.*make_attention_fn"):
         _mha(fn)(x, mask=nnx.make_causal_mask(jnp.ones((1, 5))))
-    with pytest.raises(NotImplementedError, match="dropout_rate=0.1 with deterministic=False"):
+    with pytest.raises(NotImplementedError, match="dropout_rate=0.1 with broadcast_dropout=True"):
         _mha(fn, dropout_rate=0.1)(x, deterministic=False)
     with pytest.raises(NotImplementedError, match="module .sow_weights=True."):
         _mha(fn)(x, sow_weights=True)
@@ -775,3 +776,196 @@ def test_dilated_call_errors():
         fe(jnp.zeros((1, 8, 32)), segment_ids=jnp.zeros((1, 8), jnp.int32))
     with pytest.raises(ValueError, match="attention='dilated' takes no segment_ids"):
         te(torch.zeros(1, 8, 32, device=DEVICE), segment_ids=torch.zeros(1, 8, dtype=torch.int32, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention dropout in the layers
+# ------------------------------------------------------------------------------------------------
+DROP_SEEDS = (7, 2 ** 40 + 3)  # the second has both seed words non-zero
+
+
+def _key(seed: int):
+    """The JAX dropout key of torch's dropout_seed=seed (its two seed words)."""
+    return jax.random.wrap_key_data(jnp.asarray(seed_words(seed), jnp.uint32))
+
+
+def _x(seed=11, shape=(2, 12, 32)):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dropout_rate=1.0), r"dropout_rate must be a float in \[0, 1\), got dropout_rate=1.0"),
+    (dict(dropout_rate=-0.1), r"dropout_rate must be a float in \[0, 1\), got dropout_rate=-0.1"),
+    (dict(dropout_rate=True), r"dropout_rate must be a float in \[0, 1\), got dropout_rate=True"),
+    (dict(dropout_rate="0.1"), r"dropout_rate must be a float in \[0, 1\)"),
+    (dict(SB, dropout_rate=0.1), r"attention='stick_breaking' does not take dropout_rate=0.1$"),
+    (dict(DIL, attention="dilated", dropout_rate=0.2), r"attention='dilated' does not take dropout_rate=0.2$"),
+])
+def test_dropout_constructor_errors(framework, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FRAMEWORKS[framework](32, 4, **kwargs)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_dilated_layers_refuse_dropout(framework):
+    """Dilated attention has no dropout: the dilated layers keep dropout_rate at 0."""
+    frameworks = (jl, dict(rngs=nnx.Rngs(0))) if framework == "jax" else (tl, {})
+    module, extra = frameworks
+    with pytest.raises(ValueError, match=r"attention='dilated' does not take dropout_rate=0.1$"):
+        module.MultiheadDilatedAttention(4, 24, dropout_rate=0.1, **DIL, **extra)
+    with pytest.raises(ValueError, match=r"dilated attention has no dropout: dropout_rate must be 0.0, got "
+                                         r"dropout_rate=0.1"):
+        module.DilatedAttention(**DIL, dropout_rate=0.1)
+    with pytest.raises(ValueError, match=r"dropout_rate must be a float in \[0, 1\)"):
+        module.DilatedAttention(**DIL, dropout_rate=2)
+    assert module.MultiheadDilatedAttention(4, 24, dropout_rate=0.0, **DIL, **extra).spec.dropout_rate == 0.0
+    assert module.DilatedAttention(**DIL, dropout_rate=0).spec == check_dilated_args(**DIL)
+
+
+def test_dropout_spec_and_attributes():
+    assert check_layer_args(32, 4, dropout_rate=0.25).dropout_rate == 0.25
+    assert check_layer_args(32, 4).dropout_rate == 0.0 and check_layer_args(32, 4, dropout_rate=0).dropout_rate == 0.0
+    f = jl.EncoderBlock(32, 4, dropout_rate=0.1, rngs=nnx.Rngs(0))
+    assert f.dropout_rate == f.attn.dropout_rate == 0.1 and f.deterministic is f.attn.deterministic is None
+    assert isinstance(f.attn.rngs, nnx.RngStream)
+    assert jl.MultiHeadSelfAttention(32, 4, rngs=nnx.Rngs(0)).rngs is None  # no stream without dropout
+    assert jl.MultiHeadSelfAttention(32, 4, deterministic=True, dropout_rate=0.1, rngs=nnx.Rngs(0)).deterministic
+    t = tl.EncoderBlock(32, 4, dropout_rate=0.1)
+    assert t.dropout_rate == t.attn.dropout_rate == 0.1 and t.attn.spec == f.attn.spec
+
+
+def _flax_dropout_pair(kind):
+    """A Flax layer with dropout_rate 0.1 and one without, holding the same weights."""
+    cls = jl.EncoderBlock if kind == "encoder" else jl.MultiHeadSelfAttention
+    args = (32, 4, 48) if kind == "encoder" else (32, 4)
+    f0 = cls(*args, num_kv_heads=2, causal=True, implementation="xla", rngs=nnx.Rngs(0))
+    f1 = cls(*args, num_kv_heads=2, causal=True, dropout_rate=0.1, implementation="xla", rngs=nnx.Rngs(1))
+    pl.perturb(f0, 1)
+    nnx.update(f1, nnx.state(f0, nnx.Param))
+    return f0, f1
+
+
+@pytest.mark.parametrize("kind", ["attention", "encoder"])
+def test_flax_dropout_train_eval(kind):
+    """deterministic as in nnx.MultiHeadAttention: required with dropout; eval() = the rate-0 layer;
+    train() drops, reproducibly for a key; the call's argument wins over the attribute."""
+    f0, f1 = _flax_dropout_pair(kind)
+    x = jnp.asarray(_x())
+    want = np.asarray(f0(x))
+    with pytest.raises(ValueError, match="No `deterministic` argument was provided to MultiHeadSelfAttention"):
+        f1(x)
+    f0(x, deterministic=None)  # without dropout nothing needs it
+    np.testing.assert_array_equal(np.asarray(f1(x, deterministic=True)), want)
+    f1.eval()
+    assert f1.deterministic is True and (kind == "attention" or f1.attn.deterministic is True)
+    np.testing.assert_array_equal(np.asarray(f1(x)), want)
+    np.testing.assert_array_equal(np.asarray(f1(x, dropout_key=_key(3))), want)  # deterministic: no key used
+    dropped = np.asarray(f1(x, deterministic=False, dropout_key=_key(3)))  # the call wins over eval()
+    assert np.abs(dropped - want).max() > 1e-2
+    f1.train()
+    assert f1.deterministic is False and (kind == "attention" or f1.attn.deterministic is False)
+    np.testing.assert_array_equal(np.asarray(f1(x, dropout_key=_key(3))), dropped)  # reproducible
+    other = np.asarray(f1(x, dropout_key=_key(4)))
+    assert np.abs(other - dropped).max() > 1e-2
+    np.testing.assert_array_equal(np.asarray(f1(x, deterministic=True, dropout_key=_key(3))), want)
+    # keys from the layer's own stream (forked from rngs): fresh on every call
+    a, b = np.asarray(f1(x)), np.asarray(f1(x))
+    assert np.abs(a - b).max() > 1e-2 and np.abs(a - want).max() > 1e-2
+    # keys from the call's rngs (its dropout stream, or a stream): its first draw
+    first = nnx.Rngs(dropout=5).dropout()
+    by_key = np.asarray(f1(x, dropout_key=first))
+    np.testing.assert_array_equal(np.asarray(f1(x, rngs=nnx.Rngs(dropout=5))), by_key)
+    np.testing.assert_array_equal(np.asarray(f1(x, rngs=nnx.Rngs(dropout=5).dropout)), by_key)
+    np.testing.assert_array_equal(np.asarray(f1(x, rngs=nnx.Rngs(dropout=5), dropout_key=_key(3))), dropped)
+
+
+def test_flax_dropout_stream_under_jit():
+    """Under nnx.jit the layer's stream advances between calls (its state goes in and out)."""
+    f0, f1 = _flax_dropout_pair("attention")
+    f1.train()
+    x = jnp.asarray(_x())
+    step = nnx.jit(lambda m, x: m(x))
+    a, b = np.asarray(step(f1, x)), np.asarray(step(f1, x))
+    assert np.abs(a - b).max() > 1e-2
+    keyed = nnx.jit(lambda m, x, key: m(x, dropout_key=key))
+    np.testing.assert_allclose(np.asarray(keyed(f1, x, _key(9))), np.asarray(f1(x, dropout_key=_key(9))),
+                               atol=1e-6, rtol=0)
+    f1.eval()
+    np.testing.assert_allclose(np.asarray(step(f1, x)), np.asarray(f0(x)), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["attention", "encoder"])
+def test_torch_dropout_train_eval(kind):
+    """training mode drops (reproducibly for a seed; None: a seed from torch's generator), eval is
+    the rate-0 layer and draws nothing."""
+    cls = tl.EncoderBlock if kind == "encoder" else tl.MultiHeadSelfAttention
+    args = (32, 4, 48) if kind == "encoder" else (32, 4)
+    t0 = cls(*args, num_kv_heads=2, causal=True, implementation="eager", device=DEVICE)
+    t1 = cls(*args, num_kv_heads=2, causal=True, dropout_rate=0.1, implementation="eager", device=DEVICE)
+    t1.load_state_dict(t0.state_dict())
+    x = torch.tensor(_x(), device=DEVICE)
+    with torch.no_grad():
+        want = t0(x)
+        assert t1.training
+        dropped = t1(x, dropout_seed=3)
+        assert (dropped - want).abs().max() > 1e-2
+        torch.testing.assert_close(t1(x, dropout_seed=3), dropped, rtol=0, atol=0)
+        assert (t1(x, dropout_seed=4) - dropped).abs().max() > 1e-2
+        torch.manual_seed(0)
+        drawn = t1(x)
+        assert (t1(x) - drawn).abs().max() > 1e-2  # a new seed per call
+        torch.manual_seed(0)
+        torch.testing.assert_close(t1(x), drawn, rtol=0, atol=0)
+        t1.eval()
+        state = torch.random.get_rng_state()
+        torch.testing.assert_close(t1(x), want, rtol=0, atol=0)
+        torch.testing.assert_close(t1(x, dropout_seed=3), want, rtol=0, atol=0)
+        assert torch.equal(torch.random.get_rng_state(), state)  # eval draws no seed
+        t1.train()
+        torch.testing.assert_close(t1(x, dropout_seed=3), dropped, rtol=0, atol=0)
+        t0(x, dropout_seed=3)  # a layer without dropout ignores the seed
+
+
+@pytest.mark.parametrize("kind,position,seed", [("attention", "rope", DROP_SEEDS[0]),
+                                                ("encoder", "absolute", DROP_SEEDS[1])])
+def test_dropout_layers_agree_across_frameworks(kind, position, seed):
+    """The bridge-copied twins with one seed (JAX dropout_key of its words, torch dropout_seed) drop
+    the same elements: outputs and input gradients agree."""
+    f, t = _pair(kind, position, causal=True, dropout_rate=0.1)
+    x = _x(12)
+    jx = jnp.asarray(x)
+    tx = torch.tensor(x, device=DEVICE, requires_grad=True)
+    got, vjp = jax.vjp(lambda x: f(x, deterministic=False, dropout_key=_key(seed)), jx)
+    want = t(tx, dropout_seed=seed)
+    np.testing.assert_allclose(np.asarray(got), want.detach().cpu().numpy(), atol=2e-5, rtol=0)
+    ct = np.random.default_rng(13).standard_normal(x.shape).astype(np.float32)
+    (dx,) = vjp(jnp.asarray(ct))
+    want.backward(torch.tensor(ct, device=DEVICE))
+    np.testing.assert_allclose(np.asarray(dx), tx.grad.cpu().numpy(), atol=5e-5, rtol=0)
+    without = t.eval()(torch.tensor(x, device=DEVICE)).detach().cpu().numpy()
+    assert np.abs(np.asarray(got) - without).max() > 1e-2  # the dropout did drop
+
+
+def test_attention_fn_dropout():
+    """The flax adapter's dropout: dropout_rng is flash_attention's dropout_key (one mask per batch
+    element and head: broadcast_dropout=False); flax's default broadcast_dropout=True is refused."""
+    rng = np.random.default_rng(14)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 3, 9, 2, 8)), jnp.float32) for _ in range(3))
+    fn = jl.make_attention_fn(causal=True, implementation="xla")
+    key = _key(DROP_SEEDS[1])
+    got = fn(q, k, v, dropout_rng=key, dropout_rate=0.2, broadcast_dropout=False, deterministic=False)
+    flat = lambda a: a.reshape(6, 9, 2, 8)
+    want = jax_attn.flash_attention(flat(q), flat(k), flat(v), causal=True, dropout_rate=0.2, dropout_key=key,
+                                    implementation="xla").reshape(q.shape)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    plain = fn(q, k, v, dropout_rng=key, dropout_rate=0.2, broadcast_dropout=False, deterministic=True)
+    assert np.abs(np.asarray(plain) - np.asarray(got)).max() > 1e-2
+    with pytest.raises(NotImplementedError, match="broadcast_dropout=True.*broadcast_dropout=False"):
+        fn(q, k, v, dropout_rng=key, dropout_rate=0.2, deterministic=False)
+    # in nnx.MultiHeadAttention: keys from its rngs, the same stream gives the same output
+    x = jnp.asarray(_x(15), jnp.float32)
+    mha = _mha(fn, dropout_rate=0.1, broadcast_dropout=False)
+    a = mha(x, deterministic=False, rngs=nnx.Rngs(dropout=2))
+    np.testing.assert_array_equal(np.asarray(mha(x, deterministic=False, rngs=nnx.Rngs(dropout=2))), np.asarray(a))
+    assert np.abs(np.asarray(mha(x, deterministic=True)) - np.asarray(a)).max() > 1e-2

@@ -12,6 +12,14 @@
 * `make_attention_fn` / `attention_fn`: run `flax.nnx.MultiHeadAttention(attention_fn=...)` on the
   kernels.
 
+Attention dropout (`dropout_rate`, attention="softmax" only) follows `flax.nnx.MultiHeadAttention`:
+the layer keeps `deterministic` (None, True or False; `model.train()` / `model.eval()` set it) and,
+with dropout_rate > 0, a fork of the `dropout` stream of its `rngs` (`self.rngs`); a call's
+`deterministic` wins over the attribute, and its key is the call's `dropout_key` if given, else one
+drawn from the call's `rngs` or from `self.rngs`. The mask is that of `flash_attention(dropout_key=)`:
+a torch twin called with `dropout_seed=s` drops the same elements as a call here with
+`dropout_key=jax.random.wrap_key_data(jnp.asarray(attn_spec.dropout.seed_words(s), jnp.uint32))`.
+
 The attention kind (`attention="softmax" | "stick_breaking" | "dilated"`: `jax_attn.flash_attention`,
 `jax_attn.stick_breaking_attention` or `jax_attn.dilated_attention`) and the position scheme
 (`position="none" | "absolute" | "rope"`) are separate arguments; their meaning, which other
@@ -33,6 +41,10 @@ from jax_attn.api import dilated_attention, flash_attention, stick_breaking_atte
 from jax_attn.nn.positions import sinusoidal_at, sinusoidal_positions
 from jax_attn.ops.common.rope import Rope, apply_rope
 
+NO_DETERMINISTIC = ("No `deterministic` argument was provided to {name} as either a __call__ argument or "
+                    "class attribute (needed with dropout_rate > 0: pass deterministic=, or call "
+                    "model.train() / model.eval())")
+
 ATTENTION_FUNCTIONS = {"softmax": flash_attention, "stick_breaking": stick_breaking_attention,
                        "dilated": dilated_attention}
 
@@ -53,10 +65,16 @@ class MultiHeadSelfAttention(nnx.Module):
         (a per-head `decay_logit` parameter, softplus(decay_logit) starts at decay > 0).
       segment_lengths, dilation_rates, merge: the configuration of attention="dilated" (see
         `dilated_attention`; merge "lse" or "head_groups").
+      dropout_rate: attention dropout in [0, 1) (attention="softmax" only), applied unless
+        deterministic.
+      deterministic: None, True (no dropout) or False (dropout); the call's argument wins.
+        `model.train()` / `model.eval()` set it to False / True.
       implementation: passed to the attention function unchanged.
       use_bias: biases in the four projections.
       dtype: compute dtype of the projections and the attention; param_dtype: parameter dtype.
-      rngs: `nnx.Rngs` for the initialisers (nnx.Linear defaults: lecun-normal kernels, zero biases).
+      rngs: `nnx.Rngs` for the initialisers (nnx.Linear defaults: lecun-normal kernels, zero biases);
+        with dropout_rate > 0 its `dropout` stream (else "default") is forked into `self.rngs`,
+        the dropout keys of calls that give neither `dropout_key` nor `rngs`.
     An argument the chosen attention or position does not use raises a ValueError naming it.
     """
 
@@ -64,27 +82,56 @@ class MultiHeadSelfAttention(nnx.Module):
                  attention: str = "softmax", position: str = "none", rope: Rope = Rope(),
                  causal: bool = False, window: tuple[int, int] | None = None,
                  softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
-                 segment_lengths=None, dilation_rates=None, merge: str = "lse",
-                 implementation: str | None = None, use_bias: bool = True,
+                 segment_lengths=None, dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0,
+                 deterministic: bool | None = None, implementation: str | None = None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
                                      rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
                                      learn_decay=learn_decay, segment_lengths=segment_lengths,
-                                     dilation_rates=dilation_rates, merge=merge)
+                                     dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate)
         self.implementation, self.dtype = implementation, dtype
+        self.dropout_rate, self.deterministic = self.spec.dropout_rate, deterministic
         _add_projections(self, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if learn_decay:
             self.decay_logit = nnx.Param(jnp.full((num_heads,), inverse_softplus(decay), param_dtype))
+        self.rngs = rngs.dropout.fork() if self.dropout_rate > 0 else None
 
-    def __call__(self, x, *, segment_ids=None, positions=None):
+    def __call__(self, x, *, segment_ids=None, positions=None, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | nnx.RngStream | None = None, dropout_key=None):
         """x [B, S, d_model] -> [B, S, d_model].
 
         segment_ids: int [B, S], attention stays within equal ids (packed sequences; softmax only).
         positions: int [B, S] token positions for "absolute" / "rope" (default 0 .. S-1);
           an error with position="none".
+        deterministic: overrides the attribute (with dropout_rate > 0 one of them must be set).
+        rngs: an `nnx.Rngs` (its dropout stream) or `nnx.RngStream` to draw the dropout key from
+          instead of `self.rngs`.
+        dropout_key: the dropout key itself (a JAX PRNG key; wins over rngs). Without dropout
+          (dropout_rate 0 or deterministic) rngs and dropout_key are not used.
         """
         decay = jax.nn.softplus(self.decay_logit[...]) if self.spec.learn_decay else None
-        return _project_attend(self, (x, x, x), ("x",), segment_ids=segment_ids, positions=positions, decay=decay)
+        dropout = _dropout(self, deterministic, rngs, dropout_key)
+        return _project_attend(self, (x, x, x), ("x",), segment_ids=segment_ids, positions=positions, decay=decay,
+                               dropout=dropout)
+
+
+def _dropout(module, deterministic, rngs, dropout_key) -> dict:
+    """The attention call's dropout keywords ({} without dropout): flax's rules (see the module
+    docstring) on module.dropout_rate, module.deterministic and module.rngs."""
+    if module.dropout_rate == 0.0:
+        return {}
+    deterministic = module.deterministic if deterministic is None else deterministic
+    if deterministic is None:
+        raise ValueError(NO_DETERMINISTIC.format(name=type(module).__name__))
+    if deterministic:
+        return {}
+    if dropout_key is None:
+        stream = module.rngs if rngs is None else rngs.dropout if isinstance(rngs, nnx.Rngs) else rngs
+        if stream is None:
+            raise ValueError(f"{type(module).__name__}: dropout needs a key: pass dropout_key= or rngs= "
+                             "(the layer's own stream, self.rngs, is None)")
+        dropout_key = stream()
+    return dict(dropout_rate=module.dropout_rate, dropout_key=dropout_key)
 
 
 def _add_projections(module, **linear_kwargs) -> None:
@@ -102,11 +149,12 @@ def _distinct(fn, xs):
     return tuple(done[id(x)] for x in xs)
 
 
-def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, decay=None, config=None):
+def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, decay=None, config=None,
+                    dropout=None):
     """The multi-head layers' computation on inputs (queries, keys, values) [B, S, d_model] (names:
     the call's names for them, checked): absolute positions added, projected, split into heads,
-    RoPE outside the kernel where the attention has none fused, the attention, heads merged,
-    out-projected."""
+    RoPE outside the kernel where the attention has none fused, the attention (with the keywords
+    `dropout`, from `_dropout`), heads merged, out-projected."""
     spec = module.spec
     batch, length = spec.check_call(inputs[0].shape, segment_ids=segment_ids, positions=positions, name=names[0])
     for name, x in zip(names[1:], inputs[1:]):
@@ -125,6 +173,7 @@ def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, 
     kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay)
     if config is not None:
         kwargs["config"] = config
+    kwargs.update(dropout or {})
     out = ATTENTION_FUNCTIONS[spec.attention](q, k, v, implementation=module.implementation, **kwargs)
     return module.out_proj(out.reshape(batch, length, spec.num_heads * spec.head_dim))
 
@@ -136,12 +185,14 @@ class DilatedAttention(nnx.Module):
     Args: segment_lengths, dilation_rates (one entry per branch), causal, merge ("lse" |
     "head_groups"), scale (default D ** -0.5), implementation and config: those of
     `jax_attn.dilated_attention`, checked here (the head count against merge="head_groups" at
-    the call, where q brings it).
+    the call, where q brings it). dropout_rate: must stay 0.0 (dilated attention has no dropout).
     """
 
     def __init__(self, segment_lengths, dilation_rates, *, causal: bool = False, merge: str = "lse",
-                 scale: float | None = None, implementation: str | None = None, config=None):
-        self.spec = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge, scale=scale)
+                 scale: float | None = None, implementation: str | None = None, config=None,
+                 dropout_rate: float = 0.0):
+        self.spec = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge, scale=scale,
+                                       dropout_rate=dropout_rate)
         self.implementation, self.config = implementation, config
 
     def __call__(self, q, k, v, *, return_lse: bool = False):
@@ -164,17 +215,20 @@ class MultiheadDilatedAttention(nnx.Module):
         rotated by `rope` before the attention: the dilated kernels have no fused RoPE).
       implementation, config: passed to `dilated_attention` unchanged.
       use_bias, dtype (compute), param_dtype, rngs: as in `MultiHeadSelfAttention`.
+      dropout_rate: must stay 0.0 (nnx.MultiHeadAttention's argument; dilated attention has no
+        dropout: anything else raises a ValueError naming it).
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                  out_features: int | None = None, num_kv_heads: int | None = None, *, segment_lengths,
                  dilation_rates, causal: bool = False, merge: str = "lse", position: str = "none",
                  rope: Rope = Rope(), implementation: str | None = None, config=None, use_bias: bool = True,
-                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, dropout_rate: float = 0.0,
+                 rngs: nnx.Rngs):
         self.spec = check_multihead_args(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                                          attention="dilated", position=position, rope=rope, causal=causal,
                                          segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-                                         merge=merge)
+                                         merge=merge, dropout_rate=dropout_rate)
         self.implementation, self.config, self.dtype = implementation, config, dtype
         _add_projections(self, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -201,31 +255,40 @@ class EncoderBlock(nnx.Module):
 
     Args: d_model, num_heads; d_ff: MLP width (default 4 * d_model); the remaining keyword
     arguments are those of `MultiHeadSelfAttention` (attention="dilated" with segment_lengths,
-    dilation_rates, merge: LongNet's dilated attention in the block). LayerNorm eps 1e-5 (as torch's default).
+    dilation_rates, merge: LongNet's dilated attention in the block; dropout_rate, deterministic:
+    attention dropout, the attention's `rngs` stream drawing its keys). LayerNorm eps 1e-5 (as
+    torch's default).
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *,
                  num_kv_heads: int | None = None, attention: str = "softmax", position: str = "none",
                  rope: Rope = Rope(), causal: bool = False, window: tuple[int, int] | None = None,
                  softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
-                 segment_lengths=None, dilation_rates=None, merge: str = "lse",
-                 implementation: str | None = None, use_bias: bool = True, dtype: Any = jnp.float32,
-                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 segment_lengths=None, dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0,
+                 deterministic: bool | None = None, implementation: str | None = None, use_bias: bool = True,
+                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         d_ff = feed_forward_width(d_model, d_ff)
         self.attn = MultiHeadSelfAttention(
             d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
             causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
-            segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
-            implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate,
+            deterministic=deterministic, implementation=implementation, use_bias=use_bias, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs)
+        self.dropout_rate, self.deterministic = self.attn.dropout_rate, deterministic
         norm = dict(epsilon=LAYER_NORM_EPS, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln1 = nnx.LayerNorm(d_model, **norm)
         self.ln2 = nnx.LayerNorm(d_model, **norm)
         self.mlp_in = nnx.Linear(d_model, d_ff, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp_out = nnx.Linear(d_ff, d_model, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, *, segment_ids=None, positions=None):
-        """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions as in the attention."""
-        h = self.ln1(x + self.attn(x, segment_ids=segment_ids, positions=positions))
+    def __call__(self, x, *, segment_ids=None, positions=None, deterministic: bool | None = None,
+                 rngs: nnx.Rngs | nnx.RngStream | None = None, dropout_key=None):
+        """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions / rngs / dropout_key as in
+        the attention; deterministic: the call's, else the block's attribute, else the attention's."""
+        deterministic = self.deterministic if deterministic is None else deterministic
+        attended = self.attn(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
+                             rngs=rngs, dropout_key=dropout_key)
+        h = self.ln1(x + attended)
         return self.ln2(h + self.mlp_out(jax.nn.gelu(self.mlp_in(h), approximate=True)))
 
 
@@ -259,11 +322,16 @@ def make_attention_fn(*, causal: bool = False, window: tuple[int, int] | None = 
         dtype (q, k, v promoted to it; None: their common dtype, as flax does), precision None /
         DEFAULT (JAX's configured matmul precision) or HIGHEST (exact fp32 dots), any number of
         batch dimensions (flattened into one), GQA.
-    and raises NotImplementedError naming the argument for what the kernels cannot do: a bias, a
+    and, with dropout_rate > 0 and deterministic=False, attention dropout with dropout_rng as
+      `flash_attention`'s dropout_key (one mask per batch element and head, as flax's
+      broadcast_dropout=False: build `nnx.MultiHeadAttention(..., broadcast_dropout=False)`; the
+      mask differs from flax's own, drawn by jax.random.bernoulli).
+    It raises NotImplementedError naming the argument for what the kernels cannot do: a bias, a
     mask array (arbitrary masks are never inspected: pass causal/window through this factory,
-    e.g. `attention_fn=make_attention_fn(causal=True)`), dropout (dropout_rate > 0 with
-    deterministic=False), `module` (sow_weights=True needs the attention weights, which a flash
-    kernel never materialises), another precision, or an unknown keyword.
+    e.g. `attention_fn=make_attention_fn(causal=True)`), dropout with broadcast_dropout=True (flax's
+    default: one mask shared by every batch element and head), `module` (sow_weights=True needs
+    the attention weights, which a flash kernel never materialises), another precision, or an
+    unknown keyword.
     """
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
@@ -281,10 +349,15 @@ def make_attention_fn(*, causal: bool = False, window: tuple[int, int] | None = 
                 "jax_attn attention_fn: mask arrays are not supported; pass causal / window through "
                 "jax_attn.make_attention_fn(causal=..., window=...) (or is_causal=True in the flax call) "
                 "and leave mask=None")
+        dropout = {}
         if dropout_rate > 0.0 and not deterministic:
-            raise NotImplementedError(
-                f"jax_attn attention_fn: dropout_rate={dropout_rate} with deterministic=False is not supported "
-                "(attention dropout is not implemented in the kernels); use dropout_rate=0 or deterministic=True")
+            if broadcast_dropout:
+                raise NotImplementedError(
+                    f"jax_attn attention_fn: dropout_rate={dropout_rate} with broadcast_dropout=True is not "
+                    "supported: flax's broadcast_dropout=True shares one mask across batch and heads, the kernels "
+                    "draw one per batch element and head; build nnx.MultiHeadAttention(..., "
+                    "broadcast_dropout=False) (or use dropout_rate=0 / deterministic=True)")
+            dropout = dict(dropout_rate=dropout_rate, dropout_key=dropout_rng)
         if module is not None:
             raise NotImplementedError(
                 "jax_attn attention_fn: module (sow_weights=True) is not supported: the flash kernels never "
@@ -307,7 +380,7 @@ def make_attention_fn(*, causal: bool = False, window: tuple[int, int] | None = 
             raise ValueError(f"batch dims differ: {query.shape}, {key.shape}, {value.shape}")
         flat = lambda a: a.reshape((-1,) + a.shape[-3:])
         run = lambda: flash_attention(flat(query), flat(key), flat(value), causal=bool(causal or is_causal),
-                                      window=window, softcap=softcap, implementation=implementation)
+                                      window=window, softcap=softcap, implementation=implementation, **dropout)
         if precision == jax.lax.Precision.HIGHEST:
             with jax.default_matmul_precision("highest"):
                 out = run()

@@ -11,6 +11,12 @@ position schemes ("none", "absolute", "rope") and the argument checks are those 
 Parameters come from the Flax layers through `parity.bridge` (torch's own initialisation differs
 from nnx's and is never compared).
 
+Attention dropout (`dropout_rate`, attention="softmax" only) applies in training mode only
+(`module.train()` / `module.eval()`); `forward(..., dropout_seed=s)` gives the mask of the Flax
+layer's `dropout_key=jax.random.wrap_key_data(jnp.asarray(attn_spec.dropout.seed_words(s),
+jnp.uint32))`, and dropout_seed=None draws a seed per call from torch's default generator (as
+`torch_ref.flash_attention` does; `torch.manual_seed` makes it reproducible).
+
 `dtype` is the compute dtype and `param_dtype` the parameter dtype, as in flax: projections cast
 their input, weight and bias to `dtype` (the parameters themselves, and so their gradients, stay
 in `param_dtype`). LayerNorm normalises in float32 or wider and returns `dtype`.
@@ -46,28 +52,37 @@ def _layer_norm(layer: nn.LayerNorm, x: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 class MultiHeadSelfAttention(nn.Module):
-    """Twin of `jax_attn.nn.layers.MultiHeadSelfAttention` (see there for the arguments)."""
+    """Twin of `jax_attn.nn.layers.MultiHeadSelfAttention` (see there for the arguments; torch
+    dtypes and a `device` instead of `rngs`; dropout_rate applies in training mode, no
+    `deterministic`)."""
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None, attention: str = "softmax",
                  position: str = "none", rope: Rope = Rope(), causal: bool = False, window=None, softcap=None,
                  decay: float = 0.0, learn_decay: bool = False, segment_lengths=None, dilation_rates=None,
-                 merge: str = "lse", implementation: str | None = None, use_bias: bool = True,
-                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32, device=None):
+                 merge: str = "lse", dropout_rate: float = 0.0, implementation: str | None = None,
+                 use_bias: bool = True, dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32,
+                 device=None):
         super().__init__()
         self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
                                      rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
                                      learn_decay=learn_decay, segment_lengths=segment_lengths,
-                                     dilation_rates=dilation_rates, merge=merge)
-        self.implementation, self.dtype = implementation, dtype
+                                     dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate)
+        self.implementation, self.dtype, self.dropout_rate = implementation, dtype, self.spec.dropout_rate
         _add_projections(self, bias=use_bias, dtype=param_dtype, device=device)
         if learn_decay:
             initial = torch.full((num_heads,), inverse_softplus(decay), dtype=param_dtype, device=device)
             self.decay_logit = nn.Parameter(initial)
 
-    def forward(self, x: torch.Tensor, *, segment_ids=None, positions=None) -> torch.Tensor:
-        """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions int [B, S]."""
+    def forward(self, x: torch.Tensor, *, segment_ids=None, positions=None, dropout_seed=None) -> torch.Tensor:
+        """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions int [B, S]. dropout_seed:
+        the dropout mask's seed (an int in [0, 2**64); None: drawn from torch's default generator
+        by each call that drops), used in training mode with dropout_rate > 0 only."""
         decay = F.softplus(self.decay_logit) if self.spec.learn_decay else None
-        return _project_attend(self, (x, x, x), ("x",), segment_ids=segment_ids, positions=positions, decay=decay)
+        dropout = {}
+        if self.dropout_rate > 0:  # eval: rate 0 (no seed drawn)
+            dropout = dict(dropout_rate=self.dropout_rate if self.training else 0.0, dropout_seed=dropout_seed)
+        return _project_attend(self, (x, x, x), ("x",), segment_ids=segment_ids, positions=positions, decay=decay,
+                               dropout=dropout)
 
 
 def _add_projections(module: nn.Module, **linear_kwargs) -> None:
@@ -85,9 +100,10 @@ def _distinct(fn, xs):
     return tuple(done[id(x)] for x in xs)
 
 
-def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, decay=None, config=None):
+def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, decay=None, config=None,
+                    dropout=None):
     """Twin of `jax_attn.nn.layers._project_attend`: inputs (queries, keys, values) [B, S, d_model]
-    -> [B, S, out_features]."""
+    -> [B, S, out_features]; dropout: the attention call's dropout keywords."""
     spec = module.spec
     batch, length = spec.check_call(tuple(inputs[0].shape), segment_ids=segment_ids, positions=positions,
                                     name=names[0])
@@ -109,18 +125,22 @@ def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, 
     kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay)
     if config is not None:
         kwargs["config"] = config
+    kwargs.update(dropout or {})
     out = ATTENTION_FUNCTIONS[spec.attention](q, k, v, implementation=module.implementation, **kwargs)
     return _linear(module.out_proj, out.reshape(batch, length, spec.num_heads * spec.head_dim), module.dtype)
 
 
 class DilatedAttention(nn.Module):
     """Twin of `jax_attn.nn.layers.DilatedAttention`: no weights, `torch_ref.dilated_attention(q, k, v)`
-    with the configuration given here (implementation "triton" | "eager" | None)."""
+    with the configuration given here (implementation "triton" | "eager" | None; dropout_rate must
+    stay 0.0: dilated attention has no dropout)."""
 
     def __init__(self, segment_lengths, dilation_rates, *, causal: bool = False, merge: str = "lse",
-                 scale: float | None = None, implementation: str | None = None, config=None):
+                 scale: float | None = None, implementation: str | None = None, config=None,
+                 dropout_rate: float = 0.0):
         super().__init__()
-        self.spec = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge, scale=scale)
+        self.spec = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge, scale=scale,
+                                       dropout_rate=dropout_rate)
         self.implementation, self.config = implementation, config
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False):
@@ -137,12 +157,13 @@ class MultiheadDilatedAttention(nn.Module):
                  out_features: int | None = None, num_kv_heads: int | None = None, *, segment_lengths,
                  dilation_rates, causal: bool = False, merge: str = "lse", position: str = "none",
                  rope: Rope = Rope(), implementation: str | None = None, config=None, use_bias: bool = True,
-                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32,
+                 dropout_rate: float = 0.0, device=None):
         super().__init__()
         self.spec = check_multihead_args(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                                          attention="dilated", position=position, rope=rope, causal=causal,
                                          segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-                                         merge=merge)
+                                         merge=merge, dropout_rate=dropout_rate)
         self.implementation, self.config, self.dtype = implementation, config, dtype
         _add_projections(self, bias=use_bias, dtype=param_dtype, device=device)
 
@@ -170,24 +191,27 @@ class EncoderBlock(nn.Module):
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *, num_kv_heads: int | None = None,
                  attention: str = "softmax", position: str = "none", rope: Rope = Rope(), causal: bool = False,
                  window=None, softcap=None, decay: float = 0.0, learn_decay: bool = False, segment_lengths=None,
-                 dilation_rates=None, merge: str = "lse", implementation: str | None = None, use_bias: bool = True,
-                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32, device=None):
+                 dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0,
+                 implementation: str | None = None, use_bias: bool = True, dtype: torch.dtype = torch.float32,
+                 param_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         d_ff = feed_forward_width(d_model, d_ff)
         self.attn = MultiHeadSelfAttention(
             d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
             causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
-            segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
+            segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate,
             implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, device=device)
-        self.dtype = dtype
+        self.dtype, self.dropout_rate = dtype, self.attn.dropout_rate
         factory = dict(dtype=param_dtype, device=device)
         self.ln1 = nn.LayerNorm(d_model, eps=LAYER_NORM_EPS, **factory)
         self.ln2 = nn.LayerNorm(d_model, eps=LAYER_NORM_EPS, **factory)
         self.mlp_in = nn.Linear(d_model, d_ff, bias=use_bias, **factory)
         self.mlp_out = nn.Linear(d_ff, d_model, bias=use_bias, **factory)
 
-    def forward(self, x: torch.Tensor, *, segment_ids=None, positions=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, segment_ids=None, positions=None, dropout_seed=None) -> torch.Tensor:
+        """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions / dropout_seed as in the attention."""
         dt = self.dtype
-        h = _layer_norm(self.ln1, x + self.attn(x, segment_ids=segment_ids, positions=positions), dt)
+        attended = self.attn(x, segment_ids=segment_ids, positions=positions, dropout_seed=dropout_seed)
+        h = _layer_norm(self.ln1, x + attended, dt)
         m = _linear(self.mlp_out, F.gelu(_linear(self.mlp_in, h, dt), approximate="tanh"), dt)
         return _layer_norm(self.ln2, h + m, dt)
