@@ -15,23 +15,23 @@ merged statistics of its rows: P = 2^(s2 - m2_k) * 2^(m2_k - M) / L (the branch'
 the exponent exact) and delta = rowsum(dO * O_merged) - dlse, all read through the same row map;
 the branches' compact dq, dk, dv add up into the full gradients (float32, cast once).
 
-The glue moves each branch's rows through views (`_pieces`: per offset, `as_strided` views of the
-full tensors at the rows it keeps, beside slices of the compact ones): nothing is broadcast over
-the slot axis, and the statistics (1/D of a full tensor) stay compact or [B, H, S]. Its traffic
-in full-size passes (one = B*S*H*D elements of fp32 read or written; bf16 counts half), with
-c = sum_k 1 / r_k the compact branch results together (1.75 for rates 1, 2, 4), merge "lse":
-  forward   the first branch at rate 1 without padding, scaled in place, is the fp32 accumulator
-            (2; else zeros, 1); every other branch adds w_k o_k at its rows (3 / r_k, one fused
-            addcmul); the cast to q.dtype (1.5 for bf16, none for fp32)
-            -> 2 + 3 (c - 1) + 1.5 = 5.75 for bf16 at rates 1, 2, 4 (was 24: each branch's out
-            and statistics one-hot broadcast to full fp32 rows, scaled, added)
-  backward  delta = rowsum(dO * O) once (dO upcast 1.5, times O in place 2.5, the sum 1); for each
-            of dq, dk, dv the first branch at rate 1 without padding is the fp32 accumulator as
-            the engine wrote it (0; else zeros, 1), every other branch adds its rows (3 / r_k),
-            the cast (1.5) -> 5 + 3 (3 (c - 1) + 1.5) = 16.25 for bf16 (was 56: three one-hot
-            expansions and an index_add_ per branch, fp32 upcasts and product for delta)
-Measured with the kernels stubbed (1x4096x16x64, D = 64 so statistics weigh twice their share
-at D = 128): forward 24.4 -> 7.0 passes, forward + backward 80.4 -> 23.4 (bf16).
+The glue is three small kernels over full rows (`_merge_kernel`, `_delta_kernel`,
+`_gather_kernel`): a program takes a block of rows of one head and reads each branch's compact
+rows that hold them (row s of a branch: virtual sequence b * n + s // w, compact row (s % w) // r,
+for the compact heads whose offset is (s % w) % r, from the plan's pair tables), so every full
+tensor is read or written once and every compact one once. Traffic in full-size passes (one =
+B*S*H*D fp32 elements read or written, bf16 half of one; statistics, 1/D of a pass, left out),
+with c = sum_k 1 / r_k (the compact branch results together: 1.75 for rates 1, 2, 4), bf16:
+  forward   merge: the compact o_k (fp32) once, out written once         c + 0.5  = 2.25
+  backward  delta: dO and O once (written compact per branch)            1
+            dq, dk, dv: each branch's compact fp32 gradient once, the
+            result written once in the input dtype                       3 (c + 0.5) = 6.75
+The eager glue these replace made 24.4 passes forward (each branch's out and statistics broadcast
+to full fp32 rows by a one-hot over the slot axis, then scaled and added) and 56 backward (three
+such expansions and an index_add_ per branch, delta through fp32 upcasts of dO and O). The
+branches' compact fp32 gradients live together until the gathers (3c full-size at the peak, MHA),
+where the eager glue held three full fp32 accumulators beside one branch's and its expansions. The
+kernels are deterministic (no atomics; each output element has one program).
 
 Layout BSHD: q `[B, S, H, D]`, k / v `[B, S, Hkv, D]`; lse `[B, H, S]` float32.
 Importing this module imports triton (see `torch_ref.ops.softmax.triton`).
@@ -44,13 +44,17 @@ import functools
 import numpy as np
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from attn_spec.dilation import Branch, RowMap, branches, head_plan
 
+from ..common.triton_tiles import block_d, device_ctx
 from ..softmax import triton as engine
 from ..softmax.triton import INTERPRETED, BlockSizes, default_block_sizes
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
+ROWS_PER_PROGRAM = 32  # the merge kernels' row block (memory bound: any block that fills the warps)
 
 __all__ = ["dilated_attention_triton", "DilatedAttentionFn", "BlockSizes", "default_block_sizes", "INTERPRETED"]
 
@@ -58,7 +62,7 @@ __all__ = ["dilated_attention_triton", "DilatedAttentionFn", "BlockSizes", "defa
 # ----------------------------------------------------------------------------------------------
 # Plan: each branch's geometry and row map, once per configuration
 # ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _BranchPlan:
     branch: Branch
     row_map: RowMap
@@ -68,12 +72,39 @@ class _BranchPlan:
     per_qhead: bool  # dk / dv come per query head (else per kv head of the grid)
     kv_heads: np.ndarray  # [compact dk heads] global kv head of each compact dk / dv head
     kv_offsets: np.ndarray  # [compact dk heads] its offset
-    q_pieces: tuple  # `_pieces` of out / dq / statistics (compact query heads -> query heads)
-    kv_pieces: tuple  # `_pieces` of dk / dv (compact dk heads -> kv heads)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Plan:
+    branches: tuple  # _BranchPlan per branch
+    q_pairs: np.ndarray  # int32 [K, H, 1, 2]: (compact head, offset) of query head h in branch k; (0, -1): none
+    kv_pairs: np.ndarray  # int32 [K, Hkv, P, 2]: the compact dk / dv heads that add into kv head g, and offsets
+    geometry: tuple  # ((segment, rate, num_segments), ...): the merge kernels' constexprs
+    q_counts: tuple  # per branch, the most pairs of a query head (0 or 1)
+    kv_counts: tuple  # per branch, the most pairs of a kv head
+
+
+def _pairs(targets: np.ndarray, offsets: np.ndarray, n: int) -> list:
+    """[n][...]: (compact head, offset) of the compact heads landing on each of n full heads."""
+    pairs = [[] for _ in range(n)]
+    for j, (t, o) in enumerate(zip(targets.tolist(), offsets.tolist())):
+        pairs[t].append((j, o))
+    return pairs
+
+
+def _pad_pairs(per_branch: list) -> np.ndarray:
+    """[K, n, width, 2] int32, padded with (0, -1): offset -1 is no row's slot, so it adds nothing."""
+    width = max(1, max(len(x) for pairs in per_branch for x in pairs))
+    table = np.tile(np.array([0, -1], np.int32), (len(per_branch), len(per_branch[0]), width, 1))
+    for k, pairs in enumerate(per_branch):
+        for g, x in enumerate(pairs):
+            if x:
+                table[k, g, :len(x)] = x
+    return table
 
 
 @functools.lru_cache(maxsize=128)
-def _plan(segment_lengths: tuple, dilation_rates: tuple, seq_len: int, merge: str, H: int, Hkv: int):
+def _plan(segment_lengths: tuple, dilation_rates: tuple, seq_len: int, merge: str, H: int, Hkv: int) -> _Plan:
     plans = []
     group = H // Hkv
     branch_list = branches(segment_lengths, dilation_rates, seq_len)
@@ -89,9 +120,18 @@ def _plan(segment_lengths: tuple, dilation_rates: tuple, seq_len: int, merge: st
         else:
             first = local[::group]  # each kv grid head's first query head: its offset is the group's
             kv_heads, kv_offsets = q_heads[first] // group, q_offsets[first]
-        plans.append(_BranchPlan(br, rm, heads, q_heads, q_offsets, per_qhead, kv_heads, kv_offsets,
-                                 _pieces(br, q_heads, q_offsets), _pieces(br, kv_heads, kv_offsets)))
-    return tuple(plans)
+        plans.append(_BranchPlan(br, rm, heads, q_heads, q_offsets, per_qhead, kv_heads, kv_offsets))
+    q_pairs = _pad_pairs([_pairs(p.q_heads, p.q_offsets, H) for p in plans])
+    kv_pairs = _pad_pairs([_pairs(p.kv_heads, p.kv_offsets, Hkv) for p in plans])
+    geometry = tuple((p.branch.segment, p.branch.rate, p.branch.num_segments) for p in plans)
+    counts = [tuple(int((t[..., 1] >= 0).sum(-1).max()) for t in table) for table in (q_pairs, kv_pairs)]
+    return _Plan(tuple(plans), q_pairs, kv_pairs, geometry, *counts)
+
+
+@functools.lru_cache(maxsize=128)
+def _tables(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's (q_pairs, kv_pairs) on `device`."""
+    return tuple(torch.from_numpy(t).to(device) for t in (plan.q_pairs, plan.kv_pairs))
 
 
 @functools.lru_cache(maxsize=128)
@@ -103,13 +143,8 @@ def _segment_ids(branch: Branch, batch: int, device: torch.device) -> torch.Tens
     return ids.expand(batch, *ids.shape).reshape(-1, branch.rows).contiguous().to(device)
 
 
-@functools.lru_cache(maxsize=256)
-def _index(values: tuple, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
-
-
 # ----------------------------------------------------------------------------------------------
-# The slot view, and a branch's rows as views of the full tensors
+# The slot view
 # ----------------------------------------------------------------------------------------------
 def _slot_view(x: torch.Tensor, br: Branch, fill=0.0) -> torch.Tensor:
     """x [B, S, n, ...] -> [B * num_segments, rows, rate * n, ...]: row m of slot o * n + h is row
@@ -125,97 +160,199 @@ def _slot_view(x: torch.Tensor, br: Branch, fill=0.0) -> torch.Tensor:
     return x.reshape(B * br.num_segments, br.rows, br.rate * n, *tail)
 
 
-class _Heads(tuple):
-    """An arithmetic run of heads (start, step, count): a strided slice of the head axis."""
+def _compact_stat(like: torch.Tensor, br: Branch) -> torch.Tensor:
+    """A compact statistic shaped like `like` [B', heads, rows] for a kernel to fill at the real
+    rows; the padded rows, which it does not write, hold 0."""
+    return torch.zeros_like(like) if br.padded else torch.empty_like(like)
 
 
-def _arith(x: np.ndarray):
-    """x as `_Heads` if it is an increasing arithmetic run (or one head), else a tuple of ints."""
-    steps = set(np.diff(x).tolist())
-    if len(x) == 1 or (len(steps) == 1 and min(steps) > 0):
-        return _Heads((int(x[0]), int(x[1] - x[0]) if len(x) > 1 else 1, len(x)))
-    return tuple(x.tolist())
+# ----------------------------------------------------------------------------------------------
+# Merge kernels: one program per (block of full rows, head, batch row); each full row is read or
+# written once, each branch's compact row once
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _locate(PAIRS, i, g, j, WIDTH: tl.constexpr, s, b, s_ok, SEGMENT: tl.constexpr, RATE: tl.constexpr,
+            SEGMENTS: tl.constexpr):
+    """Where branch i holds full rows s of batch row b for pair j of head g (PAIRS [K, G, WIDTH,
+    2], (compact head, offset)): -> (virtual sequence b', compact row m, compact head c, keep), keep
+    the rows whose slot (s % SEGMENT) % RATE is the pair's offset."""
+    within = s % SEGMENT
+    pair = PAIRS + ((i * tl.num_programs(1) + g) * WIDTH + j) * 2
+    keep = s_ok & (within % RATE == tl.load(pair + 1))
+    return b * SEGMENTS + s // SEGMENT, within // RATE, tl.load(pair), keep
 
 
-def _head_list(heads) -> tuple:
-    if isinstance(heads, _Heads):
-        start, step, count = heads
-        return tuple(range(start, start + step * count, step))
-    return heads
+@triton.jit
+def _compact_rows(X, STRIDES, bp, m, c, d, keep, d_ok):
+    """Rows [b', m] of compact head c of X [B', rows, heads, D] (STRIDES), 0 where not `keep`."""
+    return tl.load(X + bp[:, None] * STRIDES[0] + m[:, None] * STRIDES[1] + c * STRIDES[2] + d[None, :] * STRIDES[3],
+                   mask=keep[:, None] & d_ok[None, :], other=0.0)
 
 
-def _pieces(br: Branch, targets: np.ndarray, offsets: np.ndarray) -> tuple:
-    """((run, J, T), ...): every piece of a branch's compact result and where it lands.
-
-    run = (offset, first segment, segments, kept rows): for each offset, the segments that keep the
-    same number of rows (all but a partial last segment keep as many). J: the compact heads at that
-    offset, T: the full heads they land on (`targets`), in rounds of distinct targets (GQA: query
-    heads of one group that share an offset add into one kv head), each `_Heads` when arithmetic."""
-    kept = br.kept_rows()
-    pieces = []
-    for o in sorted(set(offsets.tolist())):
-        js = np.flatnonzero(offsets == o)
-        ts = targets[js]
-        nth = np.array([np.count_nonzero(ts[:i] == t) for i, t in enumerate(ts)])  # round of each head
-        rounds = [(js[nth == i], ts[nth == i]) for i in range(int(nth.max()) + 1)]
-        seg = 0
-        while seg < br.num_segments:
-            end = seg + 1
-            while end < br.num_segments and kept[end, o] == kept[seg, o]:
-                end += 1
-            if kept[seg, o]:
-                run = (o, seg, end - seg, int(kept[seg, o]))
-                pieces += [(run, _arith(J), _arith(T)) for J, T in rounds]
-            seg = end
-    return tuple(pieces)
+@triton.jit
+def _branch_stats(M2, INV_L, st, keep):
+    """(m2, inv_l, kept) of a branch at compact offsets st: m2 -inf and inv_l 0 where it keeps no
+    row or the row sees no key."""
+    inv_l = tl.load(INV_L + st, mask=keep, other=0.0)
+    kept = inv_l > 0
+    m2 = tl.where(kept, tl.load(M2 + st, mask=keep, other=0.0), float("-inf"))
+    return m2, inv_l, kept
 
 
-def _full_view(x: torch.Tensor, br: Branch, run, heads, row_dim: int = 1, head_dim: int = 2) -> torch.Tensor:
-    """The rows of a piece in a full tensor, as a view: x [B, S, n, D] -> [B, segments, kept,
-    count, D]; statistics (3-D, rows and heads at row_dim, head_dim) -> [B, segments, count, kept].
-    heads: `_Heads`."""
-    o, seg0, segs, kept = run
-    start, step, count = heads
-    sr, sh = x.stride(row_dim), x.stride(head_dim)
-    base = x.storage_offset() + (seg0 * br.segment + o) * sr + start * sh
-    if x.dim() == 4:
-        size = (x.shape[0], segs, kept, count, x.shape[3])
-        stride = (x.stride(0), br.segment * sr, br.rate * sr, step * sh, x.stride(3))
+@triton.jit
+def _row_sum(inv_l, kept):
+    """l = 1 / inv_l, 0 where the row is not kept (IEEE division, as torch's)."""
+    return tl.where(kept, tl.div_rn(1.0, tl.where(kept, inv_l, 1.0)), 0.0)
+
+
+@triton.jit
+def _merge_kernel(OUT, LSE, O, M2, INV_L, BRANCH_LSE, MERGED_INV_L, PAIRS, S, sob, sos, soh, sod, slb, slh, sls,
+                  O_STRIDES, STAT_STRIDES, GEOMETRY: tl.constexpr, MERGE_LSE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The forward merge of query head h at rows s: O_i [B', rows, heads, D] fp32 and the stats
+    [B', heads, rows] of the branches that keep each row (PAIRS [K, H, 1, 2]) -> OUT in its dtype,
+    LSE [B, H, S]. MERGE_LSE: M = max_i m2_i, a_i = 2^(m2_i - M), L = sum_i a_i / inv_l_i, out =
+    sum_i (a_i / inv_l_i / L) o_i, lse = (M + log2 L) ln 2 (-inf, out 0 where no branch sees a
+    key), and MERGED_INV_L_i = a_i / L at the branch's compact rows (its backward's inv_l). Else
+    (head groups, one branch per head): out = o_i, lse = BRANCH_LSE_i, 0 / -inf where none."""
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < S
+    d_ok = d < HEAD_DIM
+    acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+    if MERGE_LSE:
+        M = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+        for i in tl.static_range(len(GEOMETRY)):
+            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+                                     GEOMETRY[i][2])
+            st = bp * STAT_STRIDES[i][0] + c * STAT_STRIDES[i][1] + m * STAT_STRIDES[i][2]
+            m2, _, _ = _branch_stats(M2[i], INV_L[i], st, keep)
+            M = tl.maximum(M, m2)
+        M = tl.where(M == float("-inf"), 0.0, M)  # rows kept by none: M = 0, L = 0
+        L = tl.zeros((BLOCK_S,), dtype=tl.float32)
+        for i in tl.static_range(len(GEOMETRY)):
+            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+                                     GEOMETRY[i][2])
+            st = bp * STAT_STRIDES[i][0] + c * STAT_STRIDES[i][1] + m * STAT_STRIDES[i][2]
+            m2, inv_l, kept = _branch_stats(M2[i], INV_L[i], st, keep)
+            L += tl.exp2(m2 - M) * _row_sum(inv_l, kept)
+        seen = L > 0
+        L = tl.where(seen, L, 1.0)
+        for i in tl.static_range(len(GEOMETRY)):
+            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+                                     GEOMETRY[i][2])
+            st = bp * STAT_STRIDES[i][0] + c * STAT_STRIDES[i][1] + m * STAT_STRIDES[i][2]
+            m2, inv_l, kept = _branch_stats(M2[i], INV_L[i], st, keep)
+            a = tl.exp2(m2 - M)
+            tl.store(MERGED_INV_L[i] + st, tl.div_rn(a, L), mask=keep)
+            w = tl.div_rn(a * _row_sum(inv_l, kept), L)
+            acc += _compact_rows(O[i], O_STRIDES[i], bp, m, c, d, keep, d_ok) * w[:, None]
+        lse = tl.where(seen, (M + tl.log2(L)) * LN2, float("-inf"))
     else:
-        size = (x.shape[0], segs, count, kept)
-        stride = (x.stride(0), br.segment * sr, step * sh, br.rate * sr)
-    return x.as_strided(size, stride, base)
+        lse = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+        for i in tl.static_range(len(GEOMETRY)):
+            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+                                     GEOMETRY[i][2])
+            st = bp * STAT_STRIDES[i][0] + c * STAT_STRIDES[i][1] + m * STAT_STRIDES[i][2]
+            lse = tl.maximum(lse, tl.load(BRANCH_LSE[i] + st, mask=keep, other=float("-inf")))
+            acc += _compact_rows(O[i], O_STRIDES[i], bp, m, c, d, keep, d_ok)
+    tl.store(OUT + b * sob + s[:, None] * sos + h * soh + d[None, :] * sod, acc.to(OUT.dtype.element_ty),
+             mask=s_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + b * slb + h * slh + s * sls, lse, mask=s_ok)
 
 
-def _compact_view(c: torch.Tensor, br: Branch, run, heads, batch: int) -> torch.Tensor:
-    """The same piece of a compact tensor, as a view: [B', rows, n, D] -> [B, segments, kept,
-    count, D]; statistics [B', n, rows] -> [B, segments, count, kept]."""
-    _, seg0, segs, kept = run
-    start, step, count = heads
-    hs = slice(start, start + (count - 1) * step + 1, step)
-    if c.dim() == 4:
-        return c.view(batch, br.num_segments, br.rows, *c.shape[2:])[:, seg0:seg0 + segs, :kept, hs]
-    return c.view(batch, br.num_segments, c.shape[1], br.rows)[:, seg0:seg0 + segs, hs, :kept]
+@triton.jit
+def _gather_kernel(OUT, SRC, PAIRS, S, sob, sos, soh, sod, SRC_STRIDES, GEOMETRY: tl.constexpr,
+                   NUM_PAIRS: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """OUT[b, s, g] = the sum over branches i and the pairs (c, o) of head g (PAIRS [K, G, WIDTH,
+    2]) whose offset o is row s's slot of SRC_i[b', m, c] (fp32), stored once in OUT's dtype; 0
+    where no branch keeps the row."""
+    g = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < S
+    d_ok = d < HEAD_DIM
+    acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+    for i in tl.static_range(len(GEOMETRY)):
+        for j in tl.static_range(NUM_PAIRS[i]):
+            bp, m, c, keep = _locate(PAIRS, i, g, j, WIDTH, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1], GEOMETRY[i][2])
+            acc += _compact_rows(SRC[i], SRC_STRIDES[i], bp, m, c, d, keep, d_ok)
+    tl.store(OUT + b * sob + s[:, None] * sos + g * soh + d[None, :] * sod, acc.to(OUT.dtype.element_ty),
+             mask=s_ok[:, None] & d_ok[None, :])
 
 
-def _add_rows(acc: torch.Tensor, c: torch.Tensor, br: Branch, pieces, batch: int) -> None:
-    """acc [B, S, n, D] += compact c [B', rows, nc, D] at the pieces' rows and heads, in place."""
-    for run, J, T in pieces:
-        if isinstance(J, _Heads) and isinstance(T, _Heads):
-            _full_view(acc, br, run, T).add_(_compact_view(c, br, run, J, batch))
-        else:  # heads in no arithmetic run: gathered, then added at their (distinct) targets
-            src = _compact_view(c, br, run, _Heads((0, 1, c.shape[2])), batch)
-            src = src.index_select(3, _index(_head_list(J), c.device))
-            _full_view(acc, br, run, _Heads((0, 1, acc.shape[2]))).index_add_(3, _index(_head_list(T), c.device), src)
+@triton.jit
+def _delta_kernel(DO, O, DLSE, DELTA, PAIRS, S, sdob, sdos, sdoh, sdod, sob, sos, soh, sod, slb, slh, sls,
+                  DELTA_STRIDES, GEOMETRY: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse (fp32) of query head h at rows s, stored compact into every
+    branch that keeps the row: DELTA_i[b', c, m] for the pair (c, o) of h (PAIRS [K, H, 1, 2])."""
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < S
+    mask = s_ok[:, None] & (d < HEAD_DIM)[None, :]
+    do = tl.load(DO + b * sdob + s[:, None] * sdos + h * sdoh + d[None, :] * sdod, mask=mask, other=0.0)
+    o = tl.load(O + b * sob + s[:, None] * sos + h * soh + d[None, :] * sod, mask=mask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + b * slb + h * slh + s * sls, mask=s_ok, other=0.0)
+    for i in tl.static_range(len(GEOMETRY)):
+        bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+                                 GEOMETRY[i][2])
+        tl.store(DELTA[i] + bp * DELTA_STRIDES[i][0] + c * DELTA_STRIDES[i][1] + m * DELTA_STRIDES[i][2], delta,
+                 mask=keep)
 
 
-def _covers_all(p: _BranchPlan, kv: bool) -> bool:
-    """Whether the branch's compact result is the full tensor already ([B * n, w, heads, D] is
-    [B, S, heads, D]): rate 1, no padding, every head in order (dk / dv: every kv head)."""
-    if p.branch.rate != 1 or p.branch.padded or (kv and p.per_qhead):
-        return False
-    heads, total = (p.kv_heads, p.row_map.kv_heads) if kv else (p.q_heads, p.row_map.heads)
-    return np.array_equal(heads, np.arange(total))
+def _launch_args(out: torch.Tensor) -> dict:
+    return dict(HEAD_DIM=out.shape[3], BLOCK_S=ROWS_PER_PROGRAM, BLOCK_D=block_d(out.shape[3]), num_warps=4)
+
+
+def _grid(out: torch.Tensor) -> tuple:
+    B, S, n, _ = out.shape
+    return (triton.cdiv(S, ROWS_PER_PROGRAM), n, B)
+
+
+def _strides(tensors) -> tuple:
+    return tuple(tuple(x.stride()) for x in tensors)
+
+
+def _merge(out, lse, results, plan: _Plan, merged_inv_l) -> None:
+    """Fills out [B, S, H, D] and lse [B, H, S] from the branches' (o, lse, m2, inv_l); with
+    merged_inv_l (a list, the LSE merge) those too, else one branch per head (head groups)."""
+    outs, lses, m2s, inv_ls = zip(*results)  # the statistics (and merged_inv_l) share one layout
+    merge_lse = merged_inv_l is not None
+    with device_ctx(out):
+        _merge_kernel[_grid(out)](
+            out, lse, outs, m2s, inv_ls, lses, tuple(merged_inv_l) if merge_lse else lses, _tables(plan, out.device)[0],
+            out.shape[1], *out.stride(), *lse.stride(), _strides(outs), _strides(inv_ls), GEOMETRY=plan.geometry,
+            MERGE_LSE=merge_lse, **_launch_args(out))
+
+
+def _gather(out: torch.Tensor, srcs, plan: _Plan, kv: bool) -> torch.Tensor:
+    """out [B, S, n, D] (any dtype) = the branches' compact srcs [B', rows, heads, D] (fp32) summed
+    at the full rows and heads they hold (kv: the kv heads the compact dk / dv heads add into)."""
+    table = _tables(plan, out.device)[1 if kv else 0]
+    with device_ctx(out):
+        _gather_kernel[_grid(out)](
+            out, tuple(srcs), table, out.shape[1], *out.stride(), _strides(srcs), GEOMETRY=plan.geometry,
+            NUM_PAIRS=plan.kv_counts if kv else plan.q_counts, WIDTH=table.shape[2], **_launch_args(out))
+    return out
+
+
+def _deltas(dout, out, dlse, plan: _Plan, deltas) -> None:
+    """Fills the branches' compact deltas [B', heads, rows] (fp32) with rowsum(dO * O) - dlse."""
+    dlse_args = (dlse, *dlse.stride()) if dlse is not None else (out, 0, 0, 0)  # a dummy, never read
+    with device_ctx(out):
+        _delta_kernel[_grid(out)](
+            dout, out, dlse_args[0], tuple(deltas), _tables(plan, out.device)[0], out.shape[1], *dout.stride(),
+            *out.stride(), *dlse_args[1:], _strides(deltas), GEOMETRY=plan.geometry, HAS_DLSE=dlse is not None,
+            **_launch_args(out))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,118 +364,42 @@ def _branch_inputs(plan: _BranchPlan, q, k, v):
     return _slot_view(q, br), _slot_view(k, br), _slot_view(v, br), ids
 
 
-def _compact_stat(like: torch.Tensor, br: Branch, fill: float) -> torch.Tensor:
-    """A compact statistic shaped like `like` [B', heads, rows], for the pieces to fill; the padded
-    rows (which no piece covers) hold `fill`."""
-    return torch.full_like(like, fill) if br.padded else torch.empty_like(like)
-
-
-def _forward(q, k, v, plans, *, causal, merge, scale, config):
+def _forward(q, k, v, plan: _Plan, *, causal, merge, scale, config):
     """-> (out [B, S, H, D] in q.dtype, lse [B, H, S] fp32, per-branch backward stats)."""
     B, S, H, D = q.shape
-    dev = q.device
     results = []
-    for p in plans:
+    for p in plan.branches:
         qv, kv, vv, ids = _branch_inputs(p, q, k, v)
         o, lse, (m2, inv_l) = engine.forward(qv, kv, vv, causal=causal, scale=scale, q_ids=ids, kv_ids=ids,
                                              config=config, row_map=p.row_map, grid_heads=p.heads,
                                              out_dtype=torch.float32)
         results.append((o, lse, m2, inv_l))
-    if merge == "head_groups":  # each head has one branch: its rows copied, zeros (lse -inf) elsewhere
-        out = torch.zeros((B, S, H, D), dtype=q.dtype, device=dev)
-        lse_full = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=dev)
-        for p, (o, lse, _, _) in zip(plans, results):
-            for run, J, T in p.q_pieces:
-                _full_view(out, p.branch, run, T).copy_(_compact_view(o, p.branch, run, J, B))
-                _full_view(lse_full, p.branch, run, T, 2, 1).copy_(_compact_view(lse, p.branch, run, J, B))
-        return out, lse_full, [(m2, inv_l) for (_, _, m2, inv_l) in results]
-    # LSE merge in base 2 per original row: M = max_k m2_k, L = sum_k a_k l_k with a_k = 2^(m2_k - M)
-    # over the branches keeping the row; out = sum_k (a_k l_k / L) o_k. M and L are full [B, H, S];
-    # a_k, l_k stay compact; each branch reads / writes the full rows it keeps through views.
-    M = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=dev)
-    compact = []
-    for p, (o, lse, m2, inv_l) in zip(plans, results):
-        kept = inv_l > 0
-        m2k = torch.where(kept, m2, float("-inf"))
-        l = torch.where(kept, 1.0 / inv_l, 0.0)
-        for run, J, T in p.q_pieces:
-            Mv = _full_view(M, p.branch, run, T, 2, 1)
-            torch.maximum(Mv, _compact_view(m2k, p.branch, run, J, B), out=Mv)
-        compact.append((m2k, l))
-    M.masked_fill_(M == float("-inf"), 0.0)  # rows kept by none: M = 0, L = 0
-    L = torch.zeros_like(M)
-    scales = []
-    for p, (m2k, l) in zip(plans, compact):
-        a = _compact_stat(m2k, p.branch, float("-inf"))
-        for run, J, T in p.q_pieces:
-            av = _compact_view(a, p.branch, run, J, B)
-            torch.sub(_compact_view(m2k, p.branch, run, J, B), _full_view(M, p.branch, run, T, 2, 1), out=av)
-        a.exp2_()  # 2^(m2_k - M), 0 where not kept
-        for run, J, T in p.q_pieces:
-            _full_view(L, p.branch, run, T, 2, 1).add_(_compact_view(a, p.branch, run, J, B) *
-                                                          _compact_view(l, p.branch, run, J, B))
-        scales.append(a)
-    seen = L > 0
-    L.masked_fill_(~seen, 1.0)
-    acc, stats = None, []
-    for i, (p, (o, lse, m2, inv_l), (m2k, l), a) in enumerate(zip(plans, results, compact, scales)):
-        br = p.branch
-        # the backward's P = 2^(s2 - m2_k) * 2^(m2_k - M) / L: inv_l of the merged softmax, compact
-        merged_inv_l = _compact_stat(a, br, 0.0)
-        w = l.mul_(a)  # a_k l_k, then / L: the weight of o_k
-        for run, J, T in p.q_pieces:
-            Lv = _full_view(L, br, run, T, 2, 1)
-            torch.div(_compact_view(a, br, run, J, B), Lv, out=_compact_view(merged_inv_l, br, run, J, B))
-            wv = _compact_view(w, br, run, J, B)
-            torch.div(wv, Lv, out=wv)
-        stats.append((m2, merged_inv_l))
-        if i == 0 and _covers_all(p, kv=False):  # the first branch's compact out is the full accumulator
-            acc = o.mul_(w.transpose(1, 2)[..., None]).view(B, S, H, D)
-            continue
-        if acc is None:
-            acc = torch.zeros((B, S, H, D), dtype=torch.float32, device=dev)
-        for run, J, T in p.q_pieces:
-            wv = _compact_view(w, br, run, J, B).transpose(2, 3)[..., None]
-            _full_view(acc, br, run, T).addcmul_(_compact_view(o, br, run, J, B), wv)
-    lse_full = L.log2_().add_(M).mul_(LN2).masked_fill_(~seen, float("-inf"))
-    return acc.to(q.dtype), lse_full, stats
+    out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+    if merge == "head_groups":  # one branch per head: its rows, zeros (lse -inf) elsewhere
+        _merge(out, lse, results, plan, None)
+        return out, lse, [(m2, inv_l) for (_, _, m2, inv_l) in results]
+    # the backward's P = 2^(s2 - m2_k) * 2^(m2_k - M) / L: inv_l of the merged softmax, compact
+    merged_inv_l = [_compact_stat(inv_l, p.branch) for p, (_, _, _, inv_l) in zip(plan.branches, results)]
+    _merge(out, lse, results, plan, merged_inv_l)
+    return out, lse, [(m2, mi) for (_, _, m2, _), mi in zip(results, merged_inv_l)]
 
 
-def _backward(dout, dlse, q, k, v, out, plans, stats, *, causal, scale, config):
-    B, S, H, D = q.shape
-    Hkv = k.shape[2]
-    dev = q.device
-    # delta = rowsum(dO * O) - dlse, once, [B, S, H] fp32 (each branch gathers its rows compact)
-    if dout.dtype == torch.float32:
-        delta = (dout * out).sum(-1)
-    else:
-        delta = dout.float().mul_(out).sum(-1)  # one fp32 temporary, the product in place
-    if dlse is not None:
-        delta.sub_(dlse.float().transpose(1, 2))
-    dq = dk = dv = None  # fp32 accumulators
-    for i, (p, (m2, inv_l)) in enumerate(zip(plans, stats)):
+def _backward(dout, dlse, q, k, v, out, plan: _Plan, stats, *, causal, scale, config):
+    deltas = [_compact_stat(inv_l, p.branch) for p, (_, inv_l) in zip(plan.branches, stats)]
+    _deltas(dout, out, dlse, plan, deltas)
+    grads = []
+    for p, (m2, inv_l), delta in zip(plan.branches, stats, deltas):
         br = p.branch
         qv, kv, vv, ids = _branch_inputs(p, q, k, v)
-        delta_c = _compact_stat(inv_l, br, 0.0)
-        for run, J, T in p.q_pieces:
-            _compact_view(delta_c, br, run, J, B).copy_(_full_view(delta, br, run, T))
-        dq_c, dk_c, dv_c = engine.backward(_slot_view(dout, br), qv, kv, vv, None, (m2, inv_l), causal=causal,
-                                           scale=scale, q_ids=ids, kv_ids=ids, config=config, delta=delta_c,
-                                           row_map=p.row_map, grid_heads=p.heads, grad_dtype=torch.float32)
-        if i == 0 and _covers_all(p, kv=False):  # the first branch's compact dq is the full accumulator
-            dq = dq_c.view(B, S, H, D)
-        else:
-            if dq is None:
-                dq = torch.zeros((B, S, H, D), dtype=torch.float32, device=dev)
-            _add_rows(dq, dq_c, br, p.q_pieces, B)
-        if i == 0 and _covers_all(p, kv=True):
-            dk, dv = dk_c.view(B, S, Hkv, D), dv_c.view(B, S, Hkv, D)
-            continue
-        if dk is None:
-            dk, dv = (torch.zeros((B, S, Hkv, D), dtype=torch.float32, device=dev) for _ in range(2))
-        _add_rows(dk, dk_c, br, p.kv_pieces, B)
-        _add_rows(dv, dv_c, br, p.kv_pieces, B)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        grads.append(engine.backward(_slot_view(dout, br), qv, kv, vv, None, (m2, inv_l), causal=causal,
+                                     scale=scale, q_ids=ids, kv_ids=ids, config=config, delta=delta,
+                                     row_map=p.row_map, grid_heads=p.heads, grad_dtype=torch.float32))
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    _gather(dq, [g[0] for g in grads], plan, kv=False)
+    _gather(dk, [g[1] for g in grads], plan, kv=True)
+    _gather(dv, [g[2] for g in grads], plan, kv=True)
+    return dq, dk, dv
 
 
 class DilatedAttentionFn(torch.autograd.Function):
@@ -346,10 +407,10 @@ class DilatedAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, segment_lengths, dilation_rates, causal, merge, scale, config=None):
-        plans = _plan(segment_lengths, dilation_rates, q.shape[1], merge, q.shape[2], k.shape[2])
-        out, lse, stats = _forward(q, k, v, plans, causal=causal, merge=merge, scale=scale, config=config)
+        plan = _plan(segment_lengths, dilation_rates, q.shape[1], merge, q.shape[2], k.shape[2])
+        out, lse, stats = _forward(q, k, v, plan, causal=causal, merge=merge, scale=scale, config=config)
         ctx.save_for_backward(q, k, v, out, *(t for s in stats for t in s))
-        ctx.plans = plans
+        ctx.plan = plan
         ctx.opts = dict(causal=causal, scale=scale, config=config)
         return out, lse
 
@@ -360,7 +421,7 @@ class DilatedAttentionFn(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         with torch.no_grad():
-            dq, dk, dv = _backward(dout, dlse, q, k, v, out, ctx.plans, stats, **ctx.opts)
+            dq, dk, dv = _backward(dout, dlse, q, k, v, out, ctx.plan, stats, **ctx.opts)
         return dq, dk, dv, None, None, None, None, None, None
 
 
