@@ -278,7 +278,7 @@ def _gather_kernel(OUT, SRC, PAIRS, S, sob, sos, soh, sod, SRC_STRIDES, GEOMETRY
     d_ok = d < HEAD_DIM
     acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
     for i in tl.static_range(len(GEOMETRY)):
-        for j in tl.static_range(NUM_PAIRS[i]):
+        for j in tl.static_range(tl.constexpr(NUM_PAIRS[i])):
             bp, m, c, keep = _locate(PAIRS, i, g, j, WIDTH, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1], GEOMETRY[i][2])
             acc += _compact_rows(SRC[i], SRC_STRIDES[i], bp, m, c, d, keep, d_ok)
     tl.store(OUT + b * sob + s[:, None] * sos + g * soh + d[None, :] * sod, acc.to(OUT.dtype.element_ty),
