@@ -17,6 +17,7 @@ from jax_attn.ops.softmax.triton import BlockSizes, default_block_sizes
 from jax_attn.ops.stick_breaking.reference import stick_breaking_reference
 from jax_attn.ops.stick_breaking.triton import StickBreakingBlockSizes, default_stick_breaking_block_sizes
 from jax_attn.registry import IMPLEMENTATIONS, UnknownImplementationError, default_implementation
+from jax_attn import orderings  # space-filling-curve permutations
 
 __all__ = [
     "AttentionSpec", "BlockSizes", "DeviceInfo", "dilated_attention", "IMPLEMENTATIONS", "attention_reference",
@@ -25,5 +26,5 @@ __all__ = [
     "EncoderBlock", "MultiHeadSelfAttention", "attention_fn", "make_attention_fn", "sinusoidal_positions",
     "DilatedAttention", "MultiheadDilatedAttention",
     "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "stick_breaking_attention",
-    "stick_breaking_reference", "UnknownImplementationError",
+    "stick_breaking_reference", "UnknownImplementationError", "orderings",
 ]

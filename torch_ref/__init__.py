@@ -24,13 +24,14 @@ from .nn.layers import DilatedAttention, MultiheadDilatedAttention
 from .nn.positions import sinusoidal_positions
 from .ops.common.rope import Rope, apply_rope
 from .registry import IMPLEMENTATIONS, UnknownImplementationError, resolve_implementation
+from . import orderings  # space-filling-curve permutations
 
 __all__ = ["flash_attention", "flash_attention_reference", "flash_attention_varlen", "Rope", "apply_rope",
            "BlockSizes", "default_block_sizes",
            "IMPLEMENTATIONS", "resolve_implementation", "UnknownImplementationError", "EncoderBlock",
            "MultiHeadSelfAttention", "sinusoidal_positions", "stick_breaking_attention", "stick_breaking_reference",
            "DilatedAttention", "MultiheadDilatedAttention",
-           "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "dilated_attention"]
+           "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "dilated_attention", "orderings"]
 
 
 def __getattr__(name):
