@@ -198,7 +198,9 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
     return (out, lse) if return_lse else out
 
 
-_JNP_VARLEN_OPS = types.SimpleNamespace(arange=jnp.arange, maximum=jnp.maximum, cumsum=jnp.cumsum,
+# int32 throughout (the layout's indices), also under jax_enable_x64 with strict dtype promotion
+_JNP_VARLEN_OPS = types.SimpleNamespace(arange=lambda n: jnp.arange(n, dtype=jnp.int32), maximum=jnp.maximum,
+                                        cumsum=lambda x: jnp.cumsum(x, dtype=jnp.int32),
                                         searchsorted_right=lambda a, v: jnp.searchsorted(a, v, side="right"))
 
 

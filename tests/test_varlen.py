@@ -99,3 +99,22 @@ def test_varlen_under_jit():
     f = lambda q, k, v, cq, ck: jax_attn.flash_attention_varlen(q, k, v, cq, ck, causal=True, implementation="xla")
     with jax.default_matmul_precision("highest"):
         np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), np.asarray(f(*args)), atol=1e-6)
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_varlen_float64_under_x64(aligned):
+    """The golden's setting (jax_enable_x64, under the suite's strict dtype promotion): the layout's
+    indices stay int32 and the call matches the sequences run one by one."""
+    rng = np.random.default_rng(3)
+    cu_q, cu_k = np.array([0, 4, 10]), np.array([0, 3, 9]) if aligned else np.array([0, 4, 10])
+    with jax.enable_x64(True):
+        q = jnp.asarray(rng.standard_normal((10, 2, 8)))
+        k = jnp.asarray(rng.standard_normal((int(cu_k[-1]), 2, 8)))
+        out = jax_attn.flash_attention_varlen(q, k, k, jnp.asarray(cu_q), jnp.asarray(cu_k), causal=True,
+                                              implementation="xla")
+        for s in range(2):
+            qs, ks = q[cu_q[s]:cu_q[s + 1]][None], k[cu_k[s]:cu_k[s + 1]][None]
+            lq, lk = qs.shape[1], ks.shape[1]  # bottom-right
+            alone = jax_attn.flash_attention(qs, ks, ks, causal=True, q_offset=max(0, lk - lq),
+                                             kv_offset=max(0, lq - lk), implementation="xla")[0]
+            np.testing.assert_allclose(np.asarray(out[cu_q[s]:cu_q[s + 1]]), np.asarray(alone), rtol=1e-12, atol=0)
