@@ -26,12 +26,8 @@ with c = sum_k 1 / r_k (the compact branch results together: 1.75 for rates 1, 2
   backward  delta: dO and O once (written compact per branch)            1
             dq, dk, dv: each branch's compact fp32 gradient once, the
             result written once in the input dtype                       3 (c + 0.5) = 6.75
-The eager glue these replace made 24.4 passes forward (each branch's out and statistics broadcast
-to full fp32 rows by a one-hot over the slot axis, then scaled and added) and 56 backward (three
-such expansions and an index_add_ per branch, delta through fp32 upcasts of dO and O). The
-branches' compact fp32 gradients live together until the gathers (3c full-size at the peak, MHA),
-where the eager glue held three full fp32 accumulators beside one branch's and its expansions. The
-kernels are deterministic (no atomics; each output element has one program).
+The branches' compact fp32 gradients live together until the gathers (3c full-size at the peak,
+MHA). The kernels are deterministic (no atomics; each output element has one program).
 
 Layout BSHD: q `[B, S, H, D]`, k / v `[B, S, Hkv, D]`; lse `[B, H, S]` float32.
 Importing this module imports triton (see `torch_ref.ops.softmax.triton`).
