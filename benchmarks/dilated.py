@@ -7,8 +7,8 @@ Run on the GPU machine from the repository root:
 
 Cases (bf16, B=1, 16 heads of 128, not causal, forward and forward+backward):
     dilated    segments (2048, 4096, 8192), rates (1, 2, 4) at 8k, 32k and 128k tokens
-    dilated4   segments (2048, 4096, 8192, 16384), rates (1, 2, 4, 8) at 32k: four branches, so
-               that head_groups splits the 16 heads evenly
+    dilated4   segments (2048, 4096, 8192, 16384), rates (1, 2, 4, 8) at 32k, merge="lse"
+    groups4    the same with merge="head_groups" (four branches split the 16 heads evenly)
     ladder     the LongNet ladder (2048 .. 32768) / (1 .. 16) at 128k
     dense      the same shapes without dilation: our dense kernel on the whole sequence
 TF/s on the dilated FLOPs: sum over branches of segments x (w/r)^2 x 4 x H x D (head_groups: each
@@ -21,8 +21,8 @@ Columns:
                      on the segment batch, scatter back; LSE merge (differentiable throughout)
     composite_cudnn  the same with cuDNN (jax's cuDNN fused attention, which returns its softmax
                      statistic through a private entry point); absent where that does not run
-    head_groups      jax_attn.dilated_attention(merge="head_groups") (the relerr columns compare
-                     with the lse merge's reference: not compared); needs H % branches == 0
+    head_groups      jax_attn.dilated_attention(merge="head_groups") (groups4; not compared: the
+                     case's relerr reference is the lse composite's)
     groups_composite, groups_cudnn   the head_groups composites (per branch its heads, no merge)
     dense            jax_attn.flash_attention on the whole sequence (dense rows only; the default)
     dense_triton     the same, implementation="triton"
@@ -54,7 +54,8 @@ LADDER = ((2048, 4096, 8192, 16384, 32768), (1, 2, 4, 8, 16))
 
 @dataclasses.dataclass
 class DilatedCase(Case):
-    """A case whose FLOPs are the dilated ones (params: segments, rates, merge-independent)."""
+    """A case whose FLOPs are the dilated ones (params: segments, rates, merge; head_groups: each
+    branch a 1/K share of the heads)."""
 
     def flops(self, mode: str) -> float:
         if "segments" not in self.params:
@@ -63,12 +64,16 @@ class DilatedCase(Case):
         for w, r in zip(self.params["segments"], self.params["rates"]):
             w = min(w, self.S)
             total += -(-self.S // w) * (w / r) ** 2 * 4 * self.H * self.D
+        if self.params.get("merge") == "head_groups":
+            total /= len(self.params["segments"])
         return total * (3.5 if mode == "fwdbwd" else 1.0) * self.B
 
 
 def cases(opts):
     if opts.smoke:
         return [DilatedCase("dilated", 1, 256, 4, 64, params={"segments": (64, 128), "rates": (1, 2)}),
+                DilatedCase("groups", 1, 256, 4, 64, params={"segments": (64, 128), "rates": (1, 2),
+                                                             "merge": "head_groups"}),
                 DilatedCase("dense", 1, 256, 4, 64)]
     lengths = (8192, 32768) if opts.quick else (8192, 32768, 131072)
     out = []
@@ -76,6 +81,8 @@ def cases(opts):
         out.append(DilatedCase("dilated", 1, s, 16, 128, params={"segments": CONFIG[0], "rates": CONFIG[1]}))
         out.append(DilatedCase("dense", 1, s, 16, 128))
     out.append(DilatedCase("dilated4", 1, 32768, 16, 128, params={"segments": CONFIG4[0], "rates": CONFIG4[1]}))
+    out.append(DilatedCase("groups4", 1, 32768, 16, 128,
+                           params={"segments": CONFIG4[0], "rates": CONFIG4[1], "merge": "head_groups"}))
     if not opts.quick:
         out.append(DilatedCase("ladder", 1, 131072, 16, 128, params={"segments": LADDER[0], "rates": LADDER[1]}))
     return out
@@ -106,9 +113,8 @@ def _branch_geometry(case, w, r):
 
 
 def _check_groups(case, merge):
-    branches = len(case.params["segments"])
-    if merge == "head_groups" and case.H % branches:
-        raise Absent(f"head_groups splits the {case.H} heads into {branches} equal groups: not possible")
+    if case.params.get("merge", "lse") != merge:
+        raise Absent(f"a {merge} column: this case is merge={case.params.get('merge', 'lse')!r}")
 
 
 def composite(attend, merge="lse"):
@@ -201,6 +207,7 @@ def dilation_mask(S, H, segments, rates):
 
 def dense_mask(case, opts):
     _dilated_only(case)
+    _check_groups(case, "lse")
     if case.S > opts.mask_max_seq:
         gb = case.H * case.S * case.S * (1 + 4) / 2 ** 30
         raise Absent(f"S={case.S} over --mask-max-seq {opts.mask_max_seq}: the [H, S, S] mask and fp32 "
@@ -211,6 +218,7 @@ def dense_mask(case, opts):
 
 def torch_ref_build(case, opts):
     _dilated_only(case)
+    _check_groups(case, "lse")
     torch_ref, why = harness.optional_import("torch_ref")
     if torch_ref is None or not hasattr(torch_ref, "dilated_attention"):
         raise Absent(f"torch_ref.dilated_attention does not import: {why}")
@@ -221,6 +229,7 @@ def torch_ref_build(case, opts):
 
 def torch_composite(case, opts):
     _dilated_only(case)
+    _check_groups(case, "lse")
     torch, _, why = harness.torch_modules()
     if torch is None:
         raise Absent(f"torch does not import: {why}")
