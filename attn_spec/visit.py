@@ -134,3 +134,17 @@ def block_lists(needed, start, width: int, xp=np):
     else:
         lists = xp.zeros(total * width, xp.int32).at[slot.ravel()].set(order.ravel(), mode="drop")
     return near, extra.sum(axis=-1), lists.reshape(*outer, width)
+
+
+def first_visible_keys(q_ids, kv_ids, ops):
+    """Per query row, the first key with the row's segment id (Sk where no key has it), [B, Sq]:
+    no key left of it is visible to the row, whatever the ids (sorted or not), so the tiles left of
+    its block add nothing (stick-breaking's packed sequences: its forward and dQ walks start there,
+    and a row counts those key blocks as spent). One stable sort of the key ids per batch row, then
+    a binary search per query. `ops`: argsort (stable, last axis), take (along the last axis),
+    searchsorted_left (batched over the first axis), where, minimum."""
+    kv_len = kv_ids.shape[-1]
+    order = ops.argsort(kv_ids)  # stable: equal ids keep their key order
+    sorted_ids = ops.take(kv_ids, order)
+    at = ops.minimum(ops.searchsorted_left(sorted_ids, q_ids), kv_len - 1)
+    return ops.where(ops.take(sorted_ids, at) == q_ids, ops.take(order, at), kv_len)

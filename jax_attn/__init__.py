@@ -4,7 +4,8 @@ Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD). Implementations
 "mosaic", "xla") and the rule for implementation=None live in `jax_attn.registry`; tile configs
 (`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`) are passed as `config=`.
 """
-from jax_attn.api import dilated_attention, flash_attention, flash_attention_varlen, stick_breaking_attention
+from jax_attn.api import (dilated_attention, flash_attention, flash_attention_varlen, stick_breaking_attention,
+                          stick_breaking_attention_varlen)
 from jax_attn.device import DeviceInfo, device_info, recommended_dtype
 from jax_attn.nn.layers import EncoderBlock, MultiHeadSelfAttention, attention_fn, make_attention_fn
 from jax_attn.nn.layers import DilatedAttention, MultiheadDilatedAttention
@@ -26,5 +27,6 @@ __all__ = [
     "EncoderBlock", "MultiHeadSelfAttention", "attention_fn", "make_attention_fn", "sinusoidal_positions",
     "DilatedAttention", "MultiheadDilatedAttention",
     "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "stick_breaking_attention",
+    "stick_breaking_attention_varlen",
     "stick_breaking_reference", "UnknownImplementationError", "orderings",
 ]

@@ -100,52 +100,77 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     return (out, lse) if return_lse else out
 
 
-def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, rope: Rope | None = None,
-                             positions=None, return_remainder: bool = False,
-                             implementation: str | None = None, config=None):
-    """Stick-breaking attention (ExpoSB), strictly causal: token i attends to keys j < i.
+def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, attend_current: bool = False,
+                             segment_ids=None, rope: Rope | None = None, positions=None,
+                             return_remainder: bool = False, implementation: str | None = None, config=None):
+    """Stick-breaking attention (ExpoSB), causal: token i attends to keys j < i (j <= i with attend_current).
+
+    Query i sits at key position p_i = i + Sk - Sq: the queries are the last Sq positions of the
+    key sequence (bottom-right, as FlashAttention; decoding against a longer key prefix). Over the
+    keys j it sees, z_ij = scale q~_i.k~_j - decay_h (p_i - j), A_ij = sigmoid(z_ij)
+    prod_{m seen, m > j} (1 - sigmoid(z_im)), o_i = sum_j A_ij v_j.
 
     Args:
-      q: [B, S, Hq, D]; k, v: [B, S, Hkv, D] (same S), Hq % Hkv == 0 (GQA/MQA); D <= 256; any S.
-        float32, float16, bfloat16 (float64 with "xla" only, under jax.enable_x64).
+      q: [B, Sq, Hq, D]; k, v: [B, Sk, Hkv, D], Sq <= Sk, Hq % Hkv == 0 (GQA/MQA); D <= 256; any
+        lengths. float32, float16, bfloat16 (float64 with "xla" only, under jax.enable_x64).
       scale: logit scale, default D ** -0.5.
-      decay: lambda >= 0 of the distance penalty -lambda (i - j): a float, a scalar array or an
+      decay: lambda >= 0 of the distance penalty -lambda (p_i - j): a float, a scalar array or an
         array [Hq] (per head). Differentiable (a learnable decay gets its gradient, same shape).
         The distance is the token index difference, whatever the RoPE positions.
+      attend_current: token i also attends to itself (keys j <= p_i; the diagonal's stick
+        included), as fla-org's and shawntan's option of that name: row 0 then has one key.
+      segment_ids: int [B, S] (Sq == Sk) or a pair (q_ids [B, Sq], kv_ids [B, Sk]): a query sees
+        only keys with its id; the others take no weight and spend none of its stick (packed
+        sequences: the stick restarts in every segment). See `stick_breaking_attention_varlen`.
       rope: a `Rope`: q and k are rotated inside the kernels.
-      positions: RoPE positions, int [B, S] shared by q and k (default arange), or a pair
-        (q_pos [B, S], kv_pos [B, S]): "xla" only (the kernels rotate q and k by one array; they
-        refuse a pair, saying so).
-      return_remainder: also return rem [B, Hq, S] float32, the unspent stick 1 - sum_j A_ij
-        (1 on row 0, which has no key; its output is 0). Differentiable.
+      positions: RoPE positions, int [B, S] shared by q and k (Sq == Sk), or a pair
+        (q_pos [B, Sq], kv_pos [B, Sk]); default arange, the queries' at Sk - Sq + arange(Sq).
+        The kernels rotate inside with one array (Sq == Sk); with a pair or Sq != Sk they take q
+        and k rotated by XLA beforehand.
+      return_remainder: also return rem [B, Hq, Sq] float32, the unspent stick 1 - sum_j A_ij
+        (1 on a row with no visible key, e.g. row 0 without attend_current; its output is 0).
+        Differentiable.
       implementation: None ("triton" where Pallas Triton runs, else "xla"), "triton" (the
-        Pallas kernels, Triton lowering), "mosaic" (Hopper, 16-bit, head dim 33 to 128, no RoPE:
-        the forward on a Mosaic GPU kernel, the backward on Pallas Triton's) or "xla" (plain jnp,
-        [B, Hq, S, S] in memory); "pallas_triton" and "mosaic_gpu" are accepted spellings of
-        "triton" and "mosaic". Errors as for `flash_attention`. Not "mosaic" by default even
-        where it serves the call: its forward walks every tile, while the Triton forward ends a
-        row block's walk where its sticks are spent (docs/design/stick_breaking.md).
+        Pallas kernels, Triton lowering), "mosaic" (Hopper, 16-bit, head dim 33 to 128, no RoPE,
+        no segment ids, Sq == Sk: the forward on a Mosaic GPU kernel, the backward on Pallas
+        Triton's) or "xla" (plain jnp, [B, Hq, Sq, Sk] in memory); "pallas_triton" and
+        "mosaic_gpu" are accepted spellings of "triton" and "mosaic". Errors as for
+        `flash_attention`. Not "mosaic" by default even where it serves the call: its forward
+        walks every tile, while the Triton forward ends a row block's walk where its sticks are
+        spent (docs/design/stick_breaking.md).
       config: a `StickBreakingBlockSizes` for "triton" and "mosaic" (for "mosaic" the backward's
         tiles, with block_k = 64); "xla" takes none. None: the implementation's default for the
         call. TypeError for another type, ValueError for a config that cannot serve the call.
 
-    Returns: out [B, S, Hq, D] in q.dtype, or (out, rem).
+    A row with no visible key returns 0 (rem 1) and zero gradients, never NaN.
+
+    Returns: out [B, Sq, Hq, D] in q.dtype, or (out, rem).
     """
     validation.check_arrays(q, k, v)
-    batch, seq_len, num_heads, head_dim = q.shape
-    if k.shape[1] != seq_len:
-        raise ValueError(f"stick-breaking attention is causal self-attention: q and k need the same "
-                         f"length, got {q.shape=} and {k.shape=}")
-    pos, kv_pos = validation.check_rope(rope, positions, batch, seq_len, seq_len, head_dim)
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len = k.shape[1]
+    if q_len > kv_len:
+        raise ValueError(f"stick-breaking attention puts the queries at the last Sq positions of the keys: "
+                         f"Sq <= Sk needed, got {q.shape=} and {k.shape=}")
+    if not isinstance(attend_current, bool):
+        raise TypeError(f"attend_current must be a bool, got attend_current={attend_current!r}")
+    q_ids, kv_ids = validation.check_segment_ids(segment_ids, batch, q_len, kv_len)
+    pos, kv_pos = validation.check_rope(rope, positions, batch, q_len, kv_len, head_dim)
     kv_pos = kv_pos if isinstance(positions, (tuple, list)) else None  # keys with positions of their own
+    offset = kv_len - q_len
+    if rope is not None and positions is None and offset:  # RoPE at the key positions
+        pos, kv_pos = (jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) + start, (batch, n))
+                       for n, start in ((q_len, offset), (kv_len, 0)))
     scale = validation.check_positive("scale", scale)
     decay = validation.check_decay(decay, num_heads, q.dtype)
     spec = AttentionSpec(scale=head_dim ** -0.5 if scale is None else scale, causal=True,
-                         precision=validation.fp32_precision(q.dtype), rope=rope)
+                         has_segments=q_ids is not None, precision=validation.fp32_precision(q.dtype), rope=rope,
+                         offset=offset)
     call = registry.Call(spec, head_dim, q.dtype, positions=pos is not None, kv_positions=kv_pos is not None)
     entry = registry.resolve("stick_breaking", implementation, call)
     config = registry.check_config(entry, config, call)
-    out, rem = entry.fn(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos, config=config)
+    out, rem = entry.fn(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos, q_ids=q_ids, kv_ids=kv_ids,
+                        attend_current=attend_current, config=config)
     return (out, rem) if return_remainder else out
 
 
@@ -204,6 +229,28 @@ _JNP_VARLEN_OPS = types.SimpleNamespace(arange=lambda n: jnp.arange(n, dtype=jnp
                                         searchsorted_right=lambda a, v: jnp.searchsorted(a, v, side="right"))
 
 
+def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """The checks of a packed call and its layout (`attn_spec.varlen`) -> (plan, whether q and k
+    share their sequence lengths)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"{name} must be 3-D [total, heads, head_dim] (packed), got {getattr(x, 'shape', x)}")
+    same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+    cu_q = jnp.asarray(cu_seqlens_q)
+    cu_k = cu_q if same else jnp.asarray(cu_seqlens_k)
+    concrete_q, concrete_k = validation.concrete(cu_q), validation.concrete(cu_k)  # None while traced
+    for name, cu, total, values in (("cu_seqlens_q", cu_q, q.shape[0], concrete_q),
+                                    ("cu_seqlens_k", cu_k, k.shape[0], concrete_k)):
+        if not jnp.issubdtype(cu.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {cu.dtype}")
+        varlen.check_cu_seqlens(name, cu, total, values)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k count different sequences: {cu_q.shape} and {cu_k.shape}")
+    same = same or (concrete_q is not None and concrete_k is not None and (concrete_q == concrete_k).all())
+    plan = varlen.layout(cu_q.astype(jnp.int32), cu_k.astype(jnp.int32), q.shape[0], k.shape[0], _JNP_VARLEN_OPS)
+    return plan, same
+
+
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool = False,
                            scale: float | None = None, window: tuple[int, int] | None = None,
                            softcap: float | None = None, rope: Rope | None = None, dropout_rate: float = 0.0,
@@ -228,22 +275,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: 
 
     Returns: out [total_q, Hq, D], or (out, lse [Hq, total_q]) when return_lse.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 3:
-            raise ValueError(f"{name} must be 3-D [total, heads, head_dim] (packed), got {getattr(x, 'shape', x)}")
-    same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
-    cu_q = jnp.asarray(cu_seqlens_q)
-    cu_k = cu_q if same else jnp.asarray(cu_seqlens_k)
-    concrete_q, concrete_k = validation.concrete(cu_q), validation.concrete(cu_k)  # None while traced
-    for name, cu, total, values in (("cu_seqlens_q", cu_q, q.shape[0], concrete_q),
-                                    ("cu_seqlens_k", cu_k, k.shape[0], concrete_k)):
-        if not jnp.issubdtype(cu.dtype, jnp.integer):
-            raise TypeError(f"{name} must be an integer array, got {cu.dtype}")
-        varlen.check_cu_seqlens(name, cu, total, values)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k count different sequences: {cu_q.shape} and {cu_k.shape}")
-    same = same or (concrete_q is not None and concrete_k is not None and (concrete_q == concrete_k).all())
-    plan = varlen.layout(cu_q.astype(jnp.int32), cu_k.astype(jnp.int32), q.shape[0], k.shape[0], _JNP_VARLEN_OPS)
+    plan, same = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k)
     rows = q.shape[0] + k.shape[0]  # the aligned layout's
     out, lse = varlen.attend(
         plan, q, k, v, aligned=not same and (causal or window is not None), rope=rope is not None,
@@ -253,3 +285,38 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: 
             positions=positions, dropout_rate=dropout_rate, dropout_key=dropout_key, return_lse=True,
             implementation=implementation, config=config))
     return (out, lse) if return_lse else out
+
+
+def stick_breaking_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, scale: float | None = None,
+                                    decay=0.0, attend_current: bool = False, rope: Rope | None = None,
+                                    return_remainder: bool = False, implementation: str | None = None,
+                                    config=None):
+    """`stick_breaking_attention` on a packed variable-length batch (fla-org's `cu_seqlens`,
+    shawntan's `sb_attn_varlen`): every sequence attends within itself, its stick restarting.
+
+    Args:
+      q: [total_q, Hq, D], the queries of every sequence one after the other; k, v: [total_k, Hkv, D].
+      cu_seqlens_q: int [N + 1], 0 = cu[0] <= ... <= cu[N] = total_q: sequence s holds queries
+        cu[s] .. cu[s+1] - 1. cu_seqlens_k: the same for the keys (None: as cu_seqlens_q).
+        Each sequence is bottom-right aligned: its query i sits at key position i + len_k - len_q
+        (causality, decay distance and RoPE positions: keys 0, 1, ... within their sequence).
+      scale, decay, attend_current, rope, implementation, config: as `stick_breaking_attention`.
+
+    Segment ids over the packing serve it without a copy where q and k share their lengths;
+    otherwise q, k, v are scattered into an aligned layout of total_q + total_k rows
+    (`attn_spec.varlen`; its padding has ids no token has, so it is never seen) and the output
+    gathered back.
+
+    Returns: out [total_q, Hq, D], or (out, rem [Hq, total_q]) when return_remainder.
+    """
+    plan, same = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    rows = q.shape[0] + k.shape[0]  # the aligned layout's
+    out, rem = varlen.attend(
+        plan, q, k, v, aligned=not same, rope=rope is not None,
+        scatter=lambda x, slots, fill: jnp.full((rows, *x.shape[1:]), fill, x.dtype).at[slots].set(x),
+        call=lambda q, k, v, ids, positions: stick_breaking_attention(
+            q, k, v, scale=scale, decay=decay, attend_current=attend_current, segment_ids=ids, rope=rope,
+            # on the packing q and k share their positions: one array, which the kernels rotate by
+            positions=positions[0] if same and positions is not None else positions, return_remainder=True,
+            implementation=implementation, config=config))
+    return (out, rem) if return_remainder else out

@@ -75,16 +75,8 @@ def _softmax_mosaic_reason(call: Call) -> str | None:
                                                                      call.positions)
 
 
-def _stick_breaking_triton_reason(call: Call) -> str | None:
-    if call.kv_positions:  # one RoPE table serves q rows and key rows alike
-        return ("the stick-breaking kernels rotate q and k by one positions array [B, S]; for a (q_pos, kv_pos) "
-                "pair use implementation='xla'")
-    return _triton_reason(call)
-
-
 def _stick_breaking_mosaic_reason(call: Call) -> str | None:
-    return _stick_breaking_triton_reason(call) or stick_breaking_mosaic.unsupported_reason(
-        call.spec, call.head_dim, call.dtype)
+    return _triton_reason(call) or stick_breaking_mosaic.unsupported_reason(call.spec, call.head_dim, call.dtype)
 
 
 def _softmax_mosaic_config_reason(config, call: Call) -> str | None:
@@ -117,18 +109,24 @@ def _softmax_xla(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slope
                                                  slopes=slopes, seed=seed)
 
 
-def _stick_breaking_triton(q, k, v, decay, spec, *, pos=None, kv_pos=None, config=None):
-    return stick_breaking_triton.stick_breaking_pallas(q, k, v, decay, spec, pos=pos, blocks=config)
+def _stick_breaking_triton(q, k, v, decay, spec, *, pos=None, kv_pos=None, q_ids=None, kv_ids=None,
+                           attend_current=False, config=None):
+    return stick_breaking_triton.stick_breaking_pallas(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos, q_ids=q_ids,
+                                                       kv_ids=kv_ids, attend_current=attend_current, blocks=config)
 
 
-def _stick_breaking_mosaic(q, k, v, decay, spec, *, pos=None, kv_pos=None, config=None):
+def _stick_breaking_mosaic(q, k, v, decay, spec, *, pos=None, kv_pos=None, q_ids=None, kv_ids=None,
+                           attend_current=False, config=None):
     # the forward on the Hopper kernel (`ops/stick_breaking/mosaic.py`), the backward on Pallas Triton's
-    return stick_breaking_triton.stick_breaking_pallas(q, k, v, decay, spec, pos=pos, blocks=config,
+    return stick_breaking_triton.stick_breaking_pallas(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos, q_ids=q_ids,
+                                                       kv_ids=kv_ids, attend_current=attend_current, blocks=config,
                                                        forward="mosaic_gpu")
 
 
-def _stick_breaking_xla(q, k, v, decay, spec, *, pos=None, kv_pos=None, config=None):
-    return stick_breaking_reference.stick_breaking_reference(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos)
+def _stick_breaking_xla(q, k, v, decay, spec, *, pos=None, kv_pos=None, q_ids=None, kv_ids=None,
+                        attend_current=False, config=None):
+    return stick_breaking_reference.stick_breaking_reference(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos,
+                                                             q_ids=q_ids, kv_ids=kv_ids, attend_current=attend_current)
 
 
 def _dilated_triton(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None):
@@ -164,7 +162,7 @@ _ENTRIES = (
     Entry("softmax", "mosaic", _softmax_mosaic, _softmax_mosaic_reason, lambda: softmax_mosaic.MosaicBlockSizes,
           lambda call: softmax_mosaic.default_mosaic_block_sizes(call.head_pad), _softmax_mosaic_config_reason),
     Entry("softmax", "xla", _softmax_xla, lambda call: None),
-    Entry("stick_breaking", "triton", _stick_breaking_triton, _stick_breaking_triton_reason,
+    Entry("stick_breaking", "triton", _stick_breaking_triton, _triton_reason,
           lambda: stick_breaking_triton.StickBreakingBlockSizes, _stick_breaking_default),
     # the config is the Triton backward's (the Mosaic forward's tiles are fixed: 64 rows, 64 keys)
     Entry("stick_breaking", "mosaic", _stick_breaking_mosaic, _stick_breaking_mosaic_reason,

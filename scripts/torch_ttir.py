@@ -5,6 +5,9 @@ scripts/trace_kernels.py.
 
   python scripts/torch_ttir.py OUT_DIR           (then: diff -r BEFORE_DIR OUT_DIR)
   python scripts/torch_ttir.py OUT_DIR --dropout (the dropout kernels too: they compile)
+  python scripts/torch_ttir.py OUT_DIR --stick-breaking          (+ the stick-breaking kernels)
+  python scripts/torch_ttir.py OUT_DIR --stick-breaking-options  (+ those with attend_current,
+                                                                  Sq < Sk, segment ids: they compile)
 
 The launchers (`forward`, `backward`) run on CPU tensors with the Triton JIT's launch replaced by
 a compile to TTIR (`triton.compile`'s front end and TTIR passes for GPUTarget("cuda", 90, 32), the
@@ -70,6 +73,27 @@ def run(name, B=2, Sq=100, Sk=100, Hq=4, Hkv=2, D=64, dtype=torch.float16, causa
     K.backward(q, q, k, k, q, stats, causal=causal, scale=0.125, config=config, **kw)
 
 
+def run_sb(name, B=2, Sq=100, Sk=100, Hq=4, Hkv=2, D=64, dtype=torch.float16, decay=False, drem=True, segments=False,
+           **kw):
+    """Stick-breaking's forward and backward (compiled to TTIR, not run) for one configuration."""
+    from torch_ref.ops.stick_breaking import triton as SB
+
+    _current[0] = f"sb_{name}_{str(dtype).split('.')[1]}"
+    q = torch.randn(B, Sq, Hq, D).to(dtype)
+    k = torch.randn(B, Sk, Hkv, D).to(dtype)
+    if segments:
+        kw.update(q_ids=torch.zeros(B, Sq, dtype=torch.int32), kv_ids=torch.zeros(B, Sk, dtype=torch.int32))
+    if kw.get("rope") is not None:
+        kw.update(q_pos=torch.arange(Sk - Sq, Sk, dtype=torch.int32).expand(B, Sq),
+                  kv_pos=torch.arange(Sk, dtype=torch.int32).expand(B, Sk))
+    lam = torch.full((Hq,), 0.1) if decay else None
+    config = SB.default_stick_breaking_block_sizes(D, dtype, True)
+    SB.forward(q, k, k, scale=0.125, decay=lam, config=config, **kw)
+    rem = torch.zeros(B, Hq, Sq)
+    SB.backward(q, q, k, k, rem, scale=0.125, drem=rem if drem else None, decay=lam, decay_grad=decay, config=config,
+                **kw)
+
+
 def main():
     triton_jit.JITFunction.run = _compile_instead_of_launch
     for dt in (torch.float16, torch.float32):
@@ -91,6 +115,20 @@ def main():
             run("dropout_causal_segments", causal=True, segments=True, dtype=dt, dropout=(0.5, (2 ** 31, 3)))
             run("dropout_rope_alibi_softcap", rope=Rope(style="half"), alibi=(torch.ones(4), 0), softcap=3.0,
                 dtype=dt, dropout=(0.2, (1, 1)))
+    if "--stick-breaking" in sys.argv or "--stick-breaking-options" in sys.argv:
+        for dt in (torch.float16, torch.float32):
+            run_sb("plain", dtype=dt)
+            run_sb("gqa_decay_no_rem_grad", Hq=8, decay=True, drem=False, dtype=dt)
+            run_sb("rope_half_decay", rope=Rope(style="half"), decay=True, dtype=dt)
+            run_sb("rope_interleaved_d40", rope=Rope(style="interleaved"), D=40, dtype=dt)
+            run_sb("d128_mha", Hkv=4, D=128, dtype=dt)
+    if "--stick-breaking-options" in sys.argv:
+        for dt in (torch.float16, torch.bfloat16, torch.float32):
+            run_sb("attend_current", attend_current=True, decay=True, dtype=dt)
+            run_sb("sq_lt_sk", Sq=37, Sk=100, decay=True, dtype=dt)
+            run_sb("segments", segments=True, decay=True, dtype=dt)
+            run_sb("all_rope", Sq=37, Sk=100, segments=True, attend_current=True, rope=Rope(style="half"), decay=True,
+                   dtype=dt)
     print(f"{len(os.listdir(OUT))} files in {OUT}")
 
 

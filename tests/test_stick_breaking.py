@@ -187,7 +187,7 @@ def _check_skipping(shape, dtype, decay, scale, quiet, rope=None, forward="palla
         interpret = jax.default_backend() == "cpu"
         blocks = default_stick_breaking_block_sizes(shape[-1], interpret, dtype)
         st = _Static(spec, blocks, interpret, jnp.dtype(dtype), mosaic=forward == "mosaic_gpu")
-        _, (*_, spent, _v_max) = _stick_breaking_fwd(st, q, k, v, decay, None)  # (the residuals)
+        _, (*_, spent, _v_max, _seg) = _stick_breaking_fwd(st, q, k, v, decay, None)  # (the residuals)
         group = shape[2] // shape[3]
         _, bounds, _ = _spent_bounds(spent, blocks.block_q, blocks.block_q_dkv, group, blocks.block_k)
         return np.asarray(spent)[0], np.asarray(bounds)[0, :, 1, :shape[1] // blocks.block_k]
@@ -304,8 +304,13 @@ def test_jit_with_learnable_decay():
     (dict(scale=jnp.float32(0.5)), TypeError, "scale must be a Python number"),
     (dict(implementation="cudnn"), NotImplementedError, "unknown implementation"),
     (dict(causal=False), TypeError, "causal"),
+    (dict(attend_current=1), TypeError, "attend_current must be a bool, got attend_current=1"),
+    (dict(segment_ids=np.zeros((1, 8), np.float32)), TypeError, "q segment_ids must be an integer array"),
+    (dict(segment_ids=np.zeros((1, 7), np.int32)), ValueError, r"q segment_ids must have shape \(1, 8\)"),
+    (dict(segment_ids=(np.zeros((1, 8), np.int32),)), ValueError, "segment_ids as a pair"),
 ], ids=["negative_decay", "decay_shape", "decay_int", "decay_str", "rope_type", "positions_without_rope",
-        "scale", "scale_array", "implementation", "non_causal"])
+        "scale", "scale_array", "implementation", "non_causal", "attend_current_int", "segment_ids_float",
+        "segment_ids_shape", "segment_ids_single_item"])
 def test_jax_bad_inputs(kw, error, match):
     x = jnp.ones((1, 8, 4, 16), jnp.float32)
     with pytest.raises(error, match=match):
@@ -314,8 +319,13 @@ def test_jax_bad_inputs(kw, error, match):
 
 def test_bad_shapes():
     x = jnp.ones((1, 8, 4, 16), jnp.float32)
-    with pytest.raises(ValueError, match="same length"):
-        stick_breaking_attention(x, jnp.ones((1, 9, 4, 16)), jnp.ones((1, 9, 4, 16)))
+    with pytest.raises(ValueError, match=r"last Sq positions of the keys: Sq <= Sk needed, got q.shape=\(1, 9"):
+        stick_breaking_attention(jnp.ones((1, 9, 4, 16)), x, x)
+    assert stick_breaking_attention(x[:, :7], x, x, implementation="xla").shape == (1, 7, 4, 16)  # Sq < Sk: served
+    with pytest.raises(ValueError, match="a single segment_ids array needs Sq == Sk"):
+        stick_breaking_attention(x[:, :7], x, x, segment_ids=np.zeros((1, 7), np.int32))
+    with pytest.raises(ValueError, match="a single positions array needs Sq == Sk"):
+        stick_breaking_attention(x[:, :7], x, x, rope=Rope(), positions=np.zeros((1, 7), np.int32))
     with pytest.raises(ValueError, match="must divide"):
         stick_breaking_attention(x, jnp.ones((1, 8, 3, 16)), jnp.ones((1, 8, 3, 16)))
     with pytest.raises(ValueError, match="head dim must be even for RoPE"):
@@ -333,8 +343,8 @@ def test_bad_blocks():
         StickBreakingBlockSizes(num_stages_dkv=0)
 
 
-@pytest.mark.parametrize("head_dim, group", [(128, 2), (64, 1)])
-def test_mosaic_forward_lowers_for_cuda(head_dim, group):
+@pytest.mark.parametrize("head_dim, group, attend_current", [(128, 2, False), (64, 1, False), (64, 2, True)])
+def test_mosaic_forward_lowers_for_cuda(head_dim, group, attend_current):
     """No interpreter runs Mosaic GPU kernels: the forward and its gradient (the Triton backward
     reading the Mosaic forward's sums) are lowered for CUDA, which traces both kernels."""
     from jax_attn.ops.common.spec import AttentionSpec
@@ -342,7 +352,7 @@ def test_mosaic_forward_lowers_for_cuda(head_dim, group):
 
     spec = AttentionSpec(scale=head_dim ** -0.5, causal=True)
     st = _Static(spec, default_stick_breaking_block_sizes(head_dim, False, jnp.bfloat16), False, jnp.dtype(jnp.bfloat16),
-                 mosaic=True)
+                 mosaic=True, attend_current=attend_current)
     q = jax.ShapeDtypeStruct((2, 256, 2 * group, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 256, 2, head_dim), jnp.bfloat16)
     decay = jax.ShapeDtypeStruct((2 * group,), jnp.float32)
@@ -352,15 +362,40 @@ def test_mosaic_forward_lowers_for_cuda(head_dim, group):
     assert "mosaic_gpu" in text and "stick_breaking_bwd_dkdv" in text
 
 
+def test_options_lower_for_cuda():
+    """The compiled Triton path, which the interpreter does not take: forward, dQ and dK/dV with
+    segment ids, Sq < Sk and attend_current lower to Triton for CUDA (bf16; fp16 and fp32 lower
+    alike, checked when they were built)."""
+    from jax_attn.ops.common.spec import AttentionSpec
+    from jax_attn.ops.stick_breaking.triton import stick_breaking_pallas
+
+    spec = AttentionSpec(scale=0.2, causal=True, has_segments=True, offset=223)
+    q, kv = (jax.ShapeDtypeStruct((2, n, h, 64), jnp.bfloat16) for n, h in ((77, 4), (300, 2)))
+    ids = (jax.ShapeDtypeStruct((2, 77), jnp.int32), jax.ShapeDtypeStruct((2, 300), jnp.int32))
+
+    def loss(q, k, v, decay, q_ids, kv_ids):
+        out, rem = stick_breaking_pallas(q, k, v, decay, spec, q_ids=q_ids, kv_ids=kv_ids, attend_current=True,
+                                         interpret=False)
+        return out.astype(jnp.float32).sum() + rem.sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    text = grad.trace(q, kv, kv, jax.ShapeDtypeStruct((4,), jnp.float32), *ids).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 3  # forward, dQ, dK/dV
+
+
 @pytest.mark.parametrize("dtype, kw, match", [
     (jnp.bfloat16, dict(rope=Rope()), "does not serve RoPE"),
     (jnp.float32, {}, "float16 or bfloat16"),
     (jnp.bfloat16, {}, "need a Hopper"),
-], ids=["rope", "fp32", "device"])
+    (jnp.bfloat16, dict(segment_ids=np.zeros((1, 8), np.int32)), "does not serve segment ids"),
+    (jnp.bfloat16, dict(q_len=5), "needs Sq == Sk"),
+], ids=["rope", "fp32", "device", "segments", "sq_lt_sk"])
 def test_mosaic_refuses_what_it_does_not_serve(dtype, kw, match):
     x = jnp.ones((1, 8, 4, 64), dtype)
+    q = x[:, :kw.pop("q_len", 8)]
     with pytest.raises(NotImplementedError, match=match):
-        stick_breaking_attention(x, x, x, implementation="mosaic_gpu", **kw)
+        stick_breaking_attention(q, x, x, implementation="mosaic_gpu", **kw)
 
 
 def test_default_is_the_triton_forward_on_hopper_too(monkeypatch):
@@ -378,7 +413,7 @@ def test_default_is_the_triton_forward_on_hopper_too(monkeypatch):
     monkeypatch.setattr(mosaic_gpu, "device_info", lambda: hopper)
     called = []
     for name, entry in registry.REGISTRY["stick_breaking"].items():
-        fake = lambda q, k, v, decay, spec, pos, kv_pos, config, name=name: (called.append(name), (q, None))[1]
+        fake = lambda q, k, v, decay, spec, name=name, **kw: (called.append(name), (q, None))[1]
         monkeypatch.setitem(registry.REGISTRY["stick_breaking"], name, dataclasses.replace(entry, fn=fake))
     x = jnp.ones((1, 8, 4, 64), jnp.bfloat16)
     assert stick_breaking_mosaic.unsupported_reason(AttentionSpec(scale=1.0, causal=True), 64, x.dtype) is None
@@ -742,8 +777,20 @@ INVALID = [
     ("dtype mismatch", (Q, (KV, F16), KV), {}, TypeError,
      r"q, k, v dtypes must match, got q torch.float32, k torch.float16"),
     ("int dtype", ((Q, torch.int32), (KV, torch.int32), (KV, torch.int32)), {}, TypeError, r"q dtype must be float16"),
-    ("Sq != Sk", (Q, (1, 9, 2, 16), (1, 9, 2, 16)), {}, ValueError,
-     r"q and k/v need the same sequence length, got Sq=8 .*, Sk=9"),
+    ("Sq > Sk", ((1, 9, 4, 16), KV, KV), {}, ValueError,
+     r"the queries at the last Sq positions of the keys: Sq <= Sk needed, got Sq=9 .*, Sk=8"),
+    ("attend_current int", (Q, KV, KV), dict(attend_current=1), TypeError,
+     r"attend_current must be a bool, got attend_current=1"),
+    ("segment_ids float", (Q, KV, KV), dict(segment_ids=_t(1, 8)), TypeError,
+     r"segment_ids must have an integer dtype, got torch.float32"),
+    ("segment_ids shape", (Q, KV, KV), dict(segment_ids=_i(1, 7)), ValueError,
+     r"segment_ids must have shape \[B, S\] = \[1, 8\], got \[1, 7\]"),
+    ("segment_ids single, Sq < Sk", ((1, 5, 4, 16), KV, KV), dict(segment_ids=_i(1, 5)), ValueError,
+     r"a single segment_ids tensor needs Sq == Sk"),
+    ("segment_ids pair shape", ((1, 5, 4, 16), KV, KV), dict(segment_ids=(_i(1, 5), _i(1, 5))), ValueError,
+     r"segment_ids\[1\] \(kv_ids\) must have shape \[B, S\] = \[1, 8\], got \[1, 5\]"),
+    ("positions single, Sq < Sk", ((1, 5, 4, 16), KV, KV), dict(rope=TorchRope(), positions=_i(1, 5)), ValueError,
+     r"a single positions tensor needs Sq == Sk"),
     ("heads", (Q, (1, 8, 3, 16), (1, 8, 3, 16)), {}, ValueError,
      r"number of heads in k/v \(3\) must divide heads in q \(4\)"),
     ("k v shapes", (Q, KV, (1, 8, 1, 16)), {}, ValueError, r"k and v shapes must match"),
@@ -856,18 +903,225 @@ def test_gpu_determinism():
         assert torch.isfinite(first[name]).all(), name
 
 
-def test_jax_position_pairs_need_xla():
-    """A (q_pos, kv_pos) pair: the kernels (one RoPE table for q and k) refuse it, saying so; "xla"
-    rotates the keys by kv_pos, as torch_ref does (the pair cases of the grid compare the two)."""
-    import jax.numpy as jnp
+def test_jax_position_pairs_rotate_before_the_kernels():
+    """A (q_pos, kv_pos) pair (and Sq < Sk with RoPE): the kernels' in-kernel rotation reads one
+    table for q and k rows, so q and k are rotated by XLA first; the result is "xla"'s, and the keys'
+    own positions count."""
     import jax_attn
 
-    x = jnp.ones((1, 8, 2, 16), jnp.float32)
-    pair = (jnp.zeros((1, 8), jnp.int32), jnp.arange(8, dtype=jnp.int32)[None])
-    for implementation in (None, "triton"):
-        with pytest.raises(NotImplementedError, match=r"one positions array \[B, S\].*implementation='xla'"):
-            jax_attn.stick_breaking_attention(x, x, x, rope=jax_attn.Rope(), positions=pair,
-                                              implementation=implementation)
-    rotated = jax_attn.stick_breaking_attention(x, x, x, rope=jax_attn.Rope(), positions=pair, implementation="xla")
-    same = jax_attn.stick_breaking_attention(x, x, x, rope=jax_attn.Rope(), positions=pair[0], implementation="xla")
-    assert not np.allclose(np.asarray(rotated), np.asarray(same))  # the keys' own positions count
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 24, 2, 16)), jnp.float32) for _ in range(3))
+    pair = (jnp.asarray(rng.integers(0, 50, (1, 24)), jnp.int32), jnp.arange(24, dtype=jnp.int32)[None])
+    with jax.default_matmul_precision("highest"):
+        run = lambda impl, positions: np.asarray(jax_attn.stick_breaking_attention(
+            q, k, v, rope=jax_attn.Rope(), positions=positions, implementation=impl))
+        kernels, plain = run("triton", pair), run("xla", pair)
+    np.testing.assert_allclose(kernels, plain, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(plain, run("xla", pair[0]))  # the keys' own positions count
+
+
+# ---------------------------------------------------------------------------------------------
+# attend_current, segment ids, Sq < Sk: both frameworks
+# ---------------------------------------------------------------------------------------------
+
+
+def _options_by_loops(q, k, v, scale, lam, q_ids, kv_ids, attend_current):
+    """out, rem of one head by the product of sticks, written out (float64): query i sits at key
+    position i + Sk - Sq and sees the keys of its id up to it (strictly or not)."""
+    q_len, kv_len = len(q), len(k)
+    out, rem = np.zeros_like(q), np.ones(q_len)
+    for i in range(q_len):
+        p = i + kv_len - q_len
+        seen = [j for j in range(kv_len) if (j <= p if attend_current else j < p) and q_ids[i] == kv_ids[j]]
+        beta = {j: 1 / (1 + np.exp(-(scale * q[i] @ k[j] - lam * (p - j)))) for j in seen}
+        for j in seen:
+            a = beta[j] * np.prod([1 - beta[m] for m in seen if m > j])
+            out[i] += a * v[j]
+            rem[i] -= a
+    return out, rem
+
+
+@pytest.mark.parametrize("attend_current", [False, True])
+def test_options_against_the_product_of_sticks(attend_current):
+    """attend_current, unsorted segment pairs and Sq < Sk in every implementation of both frameworks
+    against the definition written out; query ids no key has (3) give rows with out 0, rem 1 and
+    zero dq, never NaN."""
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.standard_normal(s) for s in ((1, 9, 2, 16), (1, 21, 1, 16), (1, 21, 1, 16), (1, 9, 2, 16)))
+    q_ids, kv_ids = rng.integers(0, 3, (1, 9)), rng.integers(0, 3, (1, 21))
+    q_ids[0, [2, 6]] = 3
+    scale, lam = 0.3, 0.2
+    want = [_options_by_loops(q[0, :, h], k[0, :, 0], v[0, :, 0], scale, lam, q_ids[0], kv_ids[0], attend_current)
+            for h in range(2)]
+    want_out, want_rem = np.stack([w[0] for w in want], axis=1), np.stack([w[1] for w in want])
+    kw = dict(scale=scale, decay=lam, attend_current=attend_current, return_remainder=True)
+    results = {}
+    with jax.default_matmul_precision("highest"):
+        for impl in ("xla", "triton"):
+            ids = (jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))
+            f = lambda q: stick_breaking_attention(q, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
+                                                   segment_ids=ids, implementation=impl, **kw)
+            (out, rem), vjp = jax.vjp(f, jnp.asarray(q, jnp.float32))
+            results[f"jax-{impl}"] = out, rem, vjp((jnp.asarray(do, jnp.float32), jnp.zeros_like(rem)))[0]
+    for impl in ("eager", "triton"):
+        tq = torch.tensor(q, dtype=F32, device=DEVICE, requires_grad=True)
+        tk, tv = (torch.tensor(x, dtype=F32, device=DEVICE) for x in (k, v))
+        ids = tuple(torch.tensor(x, device=DEVICE) for x in (q_ids, kv_ids))
+        out, rem = torch_stick_breaking_attention(tq, tk, tv, segment_ids=ids, implementation=impl, **kw)
+        (dq,) = torch.autograd.grad(out, tq, torch.tensor(do, dtype=F32, device=DEVICE))
+        results[f"torch-{impl}"] = out.detach().cpu(), rem.detach().cpu(), dq.cpu()
+    for name, (out, rem, dq) in results.items():
+        out, rem, dq = (np.asarray(x, np.float64) for x in (out, rem, dq))
+        np.testing.assert_allclose(out[0], want_out, rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(rem[0], want_rem, rtol=1e-4, atol=1e-5, err_msg=name)
+        assert np.isfinite(dq).all(), name
+        assert (out[0, [2, 6]] == 0).all() and (rem[0, :, [2, 6]] == 1).all() and (dq[0, [2, 6]] == 0).all(), name
+
+
+def test_attend_current_first_row():
+    """With attend_current row 0 sees key 0 alone: out = sigmoid(z_00) v_0, rem = 1 - sigmoid(z_00)."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 5, 1, 16)) for _ in range(3))
+    beta = 1 / (1 + np.exp(-0.25 * q[0, 0, 0] @ k[0, 0, 0]))
+    jout, jrem = stick_breaking_attention(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), scale=0.25,
+                                          attend_current=True, return_remainder=True, implementation="xla")
+    tout, trem = torch_stick_breaking_attention(*(torch.tensor(x, dtype=F32) for x in (q, k, v)), scale=0.25,
+                                                attend_current=True, return_remainder=True, implementation="eager")
+    for out, rem in ((jout, jrem), (tout, trem)):
+        np.testing.assert_allclose(np.asarray(out)[0, 0, 0], beta * v[0, 0, 0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(float(rem[0, 0, 0]), 1 - beta, rtol=1e-5)
+
+
+def test_first_visible_keys_and_query_tile_ends():
+    """The per-row first visible key (`attn_spec.visit.first_visible_keys`, jnp and torch) and the
+    torch dK/dV kernel's per-key-block end of the query tiles, against plain enumeration, for
+    sorted and unsorted ids and ids no key has."""
+    from jax_attn.ops.common.visit import first_visible_keys
+    from torch_ref.ops.stick_breaking.triton import _TORCH_SEGMENT_OPS, _query_tile_ends
+    from attn_spec import visit
+
+    rng = np.random.default_rng(3)
+    for q_ids, kv_ids in ((rng.integers(0, 5, (2, 40)), rng.integers(0, 4, (2, 70))),
+                          (np.sort(rng.integers(0, 3, (2, 50))), np.sort(rng.integers(0, 3, (2, 50))))):
+        want = np.array([[next((j for j in range(kv_ids.shape[1]) if kv_ids[b, j] == x), kv_ids.shape[1])
+                          for x in q_ids[b]] for b in range(2)])
+        np.testing.assert_array_equal(first_visible_keys(jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)),
+                                      want)
+        first = visit.first_visible_keys(torch.tensor(q_ids), torch.tensor(kv_ids), _TORCH_SEGMENT_OPS)
+        np.testing.assert_array_equal(first.numpy(), want)
+        block_q, block_k = 16, 32
+        num_k_blocks = -(-kv_ids.shape[1] // block_k)
+        ends = _query_tile_ends(first, block_q, block_k, num_k_blocks).numpy()
+        for b, j in np.ndindex(2, num_k_blocks):
+            tiles = [t for t in range(-(-q_ids.shape[1] // block_q))
+                     if (want[b, t * block_q:(t + 1) * block_q] // block_k).min() <= j]
+            assert ends[b, j] == (max(tiles) + 1 if tiles else 0), (b, j)
+
+
+def test_skipping_with_options_is_exact():
+    """Spent sticks skipped with segment ids, Sq < Sk and attend_current: bit-equal to the walk
+    that skips none (`skip_spent=False`), within the rule of the golden, and tiles were skipped."""
+    from jax_attn.ops.common.spec import AttentionSpec
+    from jax_attn.ops.stick_breaking.triton import stick_breaking_pallas
+
+    rng = np.random.default_rng(4)
+    q_len, kv_len = 120, 200
+    q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                   for s in ((1, q_len, 4, 32), (1, kv_len, 2, 32), (1, kv_len, 2, 32), (1, q_len, 4, 32)))
+    drem = jnp.asarray(rng.standard_normal((1, 4, q_len)), jnp.float32)
+    kv_ids = np.repeat(np.arange(3), [90, 60, 50])[None]
+    ids = (jnp.asarray(kv_ids[:, kv_len - q_len:]), jnp.asarray(kv_ids))
+    decay = jnp.asarray([0.0, 0.01, 0.0, 0.1], jnp.float32)
+    spec = AttentionSpec(scale=1.0, causal=True, has_segments=True, offset=kv_len - q_len,
+                         precision=jax.lax.Precision.HIGHEST)
+
+    def run(skip):
+        f = lambda *a: stick_breaking_pallas(*a, spec, q_ids=ids[0], kv_ids=ids[1], attend_current=True,
+                                             skip_spent=skip)
+        (out, rem), vjp = jax.vjp(f, q, k, v, decay)
+        return [out, rem, *vjp((do, drem))]
+
+    skipped, dense = run(True), run(False)
+    for name, a, b in zip(NAMES, skipped, dense):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert float(skipped[1].min()) == 0.0  # sticks were spent (rem exactly 0): their tiles were skipped
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+        golden = stick_breaking_attention(*(x.astype(jnp.float64) for x in (q, k, v)), decay=decay.astype(jnp.float64),
+                                          scale=1.0, segment_ids=ids, attend_current=True, implementation="xla")
+    naive = stick_breaking_attention(q, k, v, decay=decay, scale=1.0, segment_ids=ids, attend_current=True,
+                                     implementation="xla")
+    verdict = compare(*(np.asarray(x, np.float64) for x in (skipped[0], naive, golden)), np.float32, FORWARD_FACTOR)
+    assert verdict.ok, verdict
+
+
+def _varlen_inputs(seed, cu_q, cu_k):
+    rng = np.random.default_rng(seed)
+    total_q, total_k = cu_q[-1], cu_k[-1]
+    return [rng.standard_normal(s) for s in ((total_q, 4, 16), (total_k, 2, 16), (total_k, 2, 16))]
+
+
+@pytest.mark.parametrize("cu_q, cu_k", [((0, 5, 12, 20), None), ((0, 5, 11, 19), (0, 9, 15, 30))],
+                         ids=["same_lengths", "longer_keys"])
+def test_varlen_is_every_sequence_alone(cu_q, cu_k):
+    """`stick_breaking_attention_varlen` (both frameworks): out, rem and the gradients equal those
+    of each sequence's own call (its queries the last of its keys; torch's plain path), on the
+    packing (segment ids) and through the aligned layout; on the packing the JAX kernels' within
+    tolerance of the plain path's (one positions array for q and k: rotated in the kernels)."""
+    import jax_attn
+
+    q, k, v = _varlen_inputs(5, cu_q, cu_k or cu_q)
+    kw = dict(decay=0.1, attend_current=True, return_remainder=True)
+    seqs = list(zip(cu_q[:-1], cu_q[1:], (cu_k or cu_q)[:-1], (cu_k or cu_q)[1:]))
+    tq, tk, tv = (torch.tensor(x, dtype=F32, device=DEVICE, requires_grad=True) for x in (q, k, v))
+    alone = []  # (out, rem, dq, dk, dv) of each sequence's own call, gradients of out.sum()
+    for q0, q1, k0, k1 in seqs:
+        o, r = torch_stick_breaking_attention(tq[q0:q1][None], tk[k0:k1][None], tv[k0:k1][None],
+                                              rope=TorchRope(style="half"), implementation="eager", **kw)
+        g = torch.autograd.grad(o.sum(), (tq, tk, tv))
+        alone.append((o[0], r[0], g[0][q0:q1], g[1][k0:k1], g[2][k0:k1]))
+
+    def check(out, rem, grads, name):
+        for (q0, q1, k0, k1), want in zip(seqs, alone):
+            got = (out[q0:q1], rem[:, q0:q1], grads[0][q0:q1], grads[1][k0:k1], grads[2][k0:k1])
+            for quantity, a, b in zip(("out", "rem", "dq", "dk", "dv"), got, want):
+                np.testing.assert_allclose(np.asarray(a), b.detach().cpu().numpy(), rtol=1e-4, atol=1e-5,
+                                           err_msg=f"{name} {quantity}")
+
+    out, rem = torch_ref.stick_breaking_attention_varlen(
+        tq, tk, tv, torch.tensor(cu_q, device=DEVICE), None if cu_k is None else torch.tensor(cu_k, device=DEVICE),
+        rope=TorchRope(style="half"), implementation="triton", **kw)
+    check(out.detach().cpu(), rem.detach().cpu(), [g.cpu() for g in torch.autograd.grad(out.sum(), (tq, tk, tv))],
+          "torch")
+    with jax.default_matmul_precision("highest"):
+        cu = (jnp.asarray(cu_q, jnp.int32), None if cu_k is None else jnp.asarray(cu_k, jnp.int32))
+        whole = lambda impl: jax.jit(lambda q, k, v: jax_attn.stick_breaking_attention_varlen(
+            q, k, v, *cu, rope=jax_attn.Rope(style="half"), implementation=impl, **kw))
+        jq, jk, jv = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+        (out, rem), vjp = jax.vjp(whole("xla"), jq, jk, jv)
+        check(out, rem, vjp((jnp.ones_like(out), jnp.zeros_like(rem))), "jax")
+        if cu_k is None:
+            for a, b in zip(whole("triton")(jq, jk, jv), (out, rem)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_varlen_bad_arguments(framework):
+    import jax_attn
+
+    q, k, v = _varlen_inputs(6, (0, 4, 8), (0, 4, 8))
+    if framework == "jax":
+        f, cast = jax_attn.stick_breaking_attention_varlen, lambda x: jnp.asarray(x, jnp.float32)
+        cu, bad_cu, ids = jnp.asarray([0, 4, 8]), jnp.asarray([0.0, 4.0, 8.0]), jnp.asarray([0, 4, 7])
+    else:
+        f, cast = torch_ref.stick_breaking_attention_varlen, lambda x: torch.tensor(x, dtype=F32)
+        cu, bad_cu, ids = torch.tensor([0, 4, 8]), torch.tensor([0.0, 4.0, 8.0]), torch.tensor([0, 4, 7])
+    q, k, v = (cast(x) for x in (q, k, v))
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an integer"):
+        f(q, k, v, bad_cu)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must rise from 0 to the packed length 8"):
+        f(q, k, v, ids)
+    with pytest.raises(ValueError, match=r"q must be (a )?3-D"):
+        f(q[None], k, v, cu)
+    with pytest.raises(TypeError, match="attend_current must be a bool"):
+        f(q, k, v, cu, attend_current="yes")
+    assert f(q, k, v, cu).shape == q.shape

@@ -1,9 +1,9 @@
 """PyTorch + Triton reference backend of the attention library.
 
 `flash_attention` (Triton kernels or eager PyTorch, see its docstring), `flash_attention_reference`
-(the eager reference returning (out, lse)), `stick_breaking_attention` / `stick_breaking_reference`
-(stick-breaking attention, "ExpoSB"; torch_ref.ops.stick_breaking), `dilated_attention` (LongNet's
-dilated attention on the softmax kernels; torch_ref.ops.dilated), `Rope` (rotary position
+(the eager reference returning (out, lse)), `stick_breaking_attention` / `stick_breaking_reference` /
+`stick_breaking_attention_varlen` (stick-breaking attention, "ExpoSB"; torch_ref.ops.stick_breaking),
+`dilated_attention` (LongNet's dilated attention on the softmax kernels; torch_ref.ops.dilated), `Rope` (rotary position
 embedding config, fused into the kernels; `torch_ref.ops.common.rope.apply_rope` is the plain
 rotation) and `BlockSizes` / `StickBreakingBlockSizes` (the kernels' tile configurations, with the
 field names of jax_attn's; `config=` of the public functions), `default_block_sizes` /
@@ -18,7 +18,7 @@ Triton is imported lazily: `import torch_ref` does not import it, so TRITON_INTE
 be set afterwards; the first Triton call (or touching one of the config names above) imports it.
 """
 from .api import (dilated_attention, flash_attention, flash_attention_reference, flash_attention_varlen,
-                  stick_breaking_attention, stick_breaking_reference)
+                  stick_breaking_attention, stick_breaking_attention_varlen, stick_breaking_reference)
 from .nn.layers import EncoderBlock, MultiHeadSelfAttention
 from .nn.layers import DilatedAttention, MultiheadDilatedAttention
 from .nn.positions import sinusoidal_positions
@@ -30,7 +30,7 @@ __all__ = ["flash_attention", "flash_attention_reference", "flash_attention_varl
            "BlockSizes", "default_block_sizes",
            "IMPLEMENTATIONS", "resolve_implementation", "UnknownImplementationError", "EncoderBlock",
            "MultiHeadSelfAttention", "sinusoidal_positions", "stick_breaking_attention", "stick_breaking_reference",
-           "DilatedAttention", "MultiheadDilatedAttention",
+           "stick_breaking_attention_varlen", "DilatedAttention", "MultiheadDilatedAttention",
            "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "dilated_attention", "orderings"]
 
 

@@ -25,7 +25,7 @@ from .ops.softmax import reference as softmax_ref
 from .ops.stick_breaking import reference as stick_breaking_ref
 
 __all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_attention", "stick_breaking_reference",
-           "dilated_attention"]
+           "dilated_attention", "flash_attention_varlen", "stick_breaking_attention_varlen"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,25 +127,37 @@ def flash_attention_reference(q, k, v, *, causal=False, scale=None, segment_ids=
 # ----------------------------------------------------------------------------------------------
 # Stick-breaking attention (ExpoSB)
 # ----------------------------------------------------------------------------------------------
-def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, rope=None, positions=None, return_remainder=False,
-                             implementation=None, config=None):
-    """Stick-breaking attention (ExpoSB), strictly causal: token i attends to keys j < i.
+def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, attend_current=False, segment_ids=None, rope=None,
+                             positions=None, return_remainder=False, implementation=None, config=None):
+    """Stick-breaking attention (ExpoSB), causal: token i attends to keys j < i (j <= i with attend_current).
+
+    Query i sits at key position p_i = i + Sk - Sq: the queries are the last Sq positions of the
+    key sequence (bottom-right, as FlashAttention; decoding against a longer key prefix). Over the
+    keys j it sees, z_ij = scale q~_i . k~_j - lambda_h (p_i - j), A_ij = sigmoid(z_ij)
+    prod_{m seen, m > j} (1 - sigmoid(z_im)), out_i = sum_j A_ij v_j.
 
     Args:
-      q: `[B, S, Hq, D]`; k, v: `[B, S, Hkv, D]` (the same S), Hq % Hkv == 0 (query head h reads kv
-        head h // (Hq // Hkv): GQA / MQA). D in 1..256, any S. dtype float16, bfloat16 or float32
-        (float64 with implementation="eager" only); output in the input dtype.
+      q: `[B, Sq, Hq, D]`; k, v: `[B, Sk, Hkv, D]` with Sq <= Sk, Hq % Hkv == 0 (query head h
+        reads kv head h // (Hq // Hkv): GQA / MQA). D in 1..256, any lengths. dtype float16,
+        bfloat16 or float32 (float64 with implementation="eager" only); output in the input dtype.
       scale: logit multiplier, default D ** -0.5.
-      decay: lambda >= 0 of the distance penalty -lambda * (i - j): a float, a 0-d tensor or a
+      decay: lambda >= 0 of the distance penalty -lambda * (p_i - j): a float, a 0-d tensor or a
         tensor `[Hq]` (per head), finite and >= 0 (checked). A tensor may require grad: it gets
-        its gradient with its own shape and dtype. The distance is the token index difference
-        i - j, whatever the RoPE positions.
+        its gradient with its own shape and dtype. The distance is the token index difference,
+        whatever the RoPE positions.
+      attend_current: token i also attends to itself (keys j <= p_i; the diagonal's stick
+        included), as fla-org's and shawntan's option of that name: row 0 then has one key.
+      segment_ids: one integer tensor `[B, S]` (Sq == Sk) or a pair (q_ids `[B, Sq]`, kv_ids
+        `[B, Sk]`): a query sees only keys with its id; the others take no weight and spend none
+        of its stick (packed sequences: the stick restarts in every segment). See
+        `stick_breaking_attention_varlen`.
       rope: a `torch_ref.Rope` or None: q and k (not v) are rotated by their positions before the
         scores (inside the kernels after load; the backward rotates dq, dk back). Needs an even D.
-      positions: with rope only. None: arange(S) in every batch row; one integer tensor `[B, S]`
-        (the same positions for q and k); or a pair (q_pos, kv_pos) of `[B, S]` tensors.
-      return_remainder: also return rem `[B, Hq, S]` float32 (float64 for float64 eager), the
-        unspent stick 1 - sum_j A_ij = exp(-sum_{j<i} softplus(z_ij)); differentiable.
+      positions: with rope only. None: keys at arange(Sk), queries at Sk - Sq + arange(Sq) in
+        every batch row; one integer tensor `[B, S]` (Sq == Sk: the same positions for q and k);
+        or a pair (q_pos `[B, Sq]`, kv_pos `[B, Sk]`).
+      return_remainder: also return rem `[B, Hq, Sq]` float32 (float64 for float64 eager), the
+        unspent stick 1 - sum_j A_ij = exp(-sum_j softplus(z_ij)); differentiable.
       implementation: None, "triton" or "eager", with the rule of `torch_ref.flash_attention`:
         None picks "triton" when q is on CUDA or the Triton interpreter is active, else "eager";
         "triton" raises NotImplementedError when it cannot serve the call (float64, CPU tensor
@@ -153,27 +165,33 @@ def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, rope=None, posit
       config: for "triton", a `torch_ref.StickBreakingBlockSizes`; "eager" takes none. None: the
         default for the call (`default_stick_breaking_block_sizes`). TypeError for another type.
 
-    Row 0 has no key: out 0, rem 1, zero gradients. Log-space math in float32; on the GPU
-    float32 inputs use IEEE fp32 dots unless torch.backends.cuda.matmul.allow_tf32 is True.
+    A row that sees no key (row 0 without attend_current): out 0, rem 1, zero gradients.
+    Log-space math in float32; on the GPU float32 inputs use IEEE fp32 dots unless
+    torch.backends.cuda.matmul.allow_tf32 is True.
 
-    Returns: out `[B, S, Hq, D]`, or (out, rem) when return_remainder.
+    Returns: out `[B, Sq, Hq, D]`, or (out, rem) when return_remainder.
     """
-    scale, decay, q_pos, kv_pos = validate_stick_breaking(q, k, v, scale, decay, rope, positions)
+    scale, decay, q_pos, kv_pos, q_ids, kv_ids = validate_stick_breaking(q, k, v, scale, decay, rope, positions,
+                                                                          attend_current, segment_ids)
     call = registry.Call.of(q)
     entry = registry.resolve("stick_breaking", implementation, call)
     config = registry.check_config(entry, config, call)
-    out, rem = entry.fn(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos, config=config)
+    out, rem = entry.fn(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
+                        attend_current=attend_current, q_ids=q_ids, kv_ids=kv_ids, config=config)
     return (out, rem) if return_remainder else out
 
 
-def stick_breaking_reference(q, k, v, *, scale=None, decay=0.0, rope=None, positions=None):
+def stick_breaking_reference(q, k, v, *, scale=None, decay=0.0, attend_current=False, segment_ids=None, rope=None,
+                             positions=None):
     """The eager reference with the arguments of `stick_breaking_attention` (less
     return_remainder and implementation); returns (out, rem).
 
     Works in float64 too (the golden). Differentiable by autograd, decay tensors included.
     """
-    scale, decay, q_pos, kv_pos = validate_stick_breaking(q, k, v, scale, decay, rope, positions)
-    return stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+    scale, decay, q_pos, kv_pos, q_ids, kv_ids = validate_stick_breaking(q, k, v, scale, decay, rope, positions,
+                                                                          attend_current, segment_ids)
+    return stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
+                                        attend_current=attend_current, q_ids=q_ids, kv_ids=kv_ids)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,19 +246,9 @@ def _torch_varlen_ops(device):
                                  searchsorted_right=lambda a, v: torch.searchsorted(a, v, right=True))
 
 
-def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=False, scale=None, window=None,
-                           softcap=None, rope=None, dropout_rate=0.0, dropout_seed=None, generator=None,
-                           return_lse=False, implementation=None, config=None):
-    """`flash_attention` on a packed variable-length batch, FlashAttention's varlen form (the same
-    as `jax_attn.flash_attention_varlen`): q `[total_q, Hq, D]`, k, v `[total_k, Hkv, D]`,
-    cu_seqlens_q / cu_seqlens_k integer `[N + 1]` (None: as cu_seqlens_q); each sequence bottom-right
-    aligned for causal, window and RoPE positions. Segment ids serve it without a copy where the
-    packing allows; otherwise the aligned layout of `attn_spec.varlen`. dropout_rate, dropout_seed,
-    generator: as `flash_attention`; the mask is that of the rows of the layout the call runs (the
-    packed rows, batch 1, or the aligned layout's), as in `jax_attn.flash_attention_varlen`.
-
-    Returns: out `[total_q, Hq, D]`, or (out, lse `[Hq, total_q]`) when return_lse.
-    """
+def _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    """The checks of a packed call and its layout (`attn_spec.varlen`) -> (plan, whether q and k
+    share their sequence lengths)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [total, heads, head_dim] (packed), got "
@@ -259,10 +267,27 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=F
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k count different sequences: {tuple(cu_q.shape)} and "
                          f"{tuple(cu_k.shape)}")
     same = same or bool((host_q == host_k).all())
-    dropout = validate_dropout(dropout_rate, dropout_seed, generator)  # a seed to draw is drawn here, once
-    seed = None if dropout is None else (dropout[1][0] << 32) | dropout[1][1]
     plan = varlen.layout(cu_q.to(q.device, torch.int64), cu_k.to(q.device, torch.int64), q.shape[0], k.shape[0],
                          _torch_varlen_ops(q.device))
+    return plan, same
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=False, scale=None, window=None,
+                           softcap=None, rope=None, dropout_rate=0.0, dropout_seed=None, generator=None,
+                           return_lse=False, implementation=None, config=None):
+    """`flash_attention` on a packed variable-length batch, FlashAttention's varlen form (the same
+    as `jax_attn.flash_attention_varlen`): q `[total_q, Hq, D]`, k, v `[total_k, Hkv, D]`,
+    cu_seqlens_q / cu_seqlens_k integer `[N + 1]` (None: as cu_seqlens_q); each sequence bottom-right
+    aligned for causal, window and RoPE positions. Segment ids serve it without a copy where the
+    packing allows; otherwise the aligned layout of `attn_spec.varlen`. dropout_rate, dropout_seed,
+    generator: as `flash_attention`; the mask is that of the rows of the layout the call runs (the
+    packed rows, batch 1, or the aligned layout's), as in `jax_attn.flash_attention_varlen`.
+
+    Returns: out `[total_q, Hq, D]`, or (out, lse `[Hq, total_q]`) when return_lse.
+    """
+    plan, same = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    dropout = validate_dropout(dropout_rate, dropout_seed, generator)  # a seed to draw is drawn here, once
+    seed = None if dropout is None else (dropout[1][0] << 32) | dropout[1][1]
     rows = q.shape[0] + k.shape[0]  # the aligned layout's
     out, lse = varlen.attend(
         plan, q, k, v, aligned=not same and (causal or window is not None), rope=rope is not None,
@@ -273,3 +298,30 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=F
             positions=positions, dropout_rate=dropout_rate, dropout_seed=seed, return_lse=True,
             implementation=implementation, config=config))
     return (out, lse) if return_lse else out
+
+
+def stick_breaking_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, scale=None, decay=0.0,
+                                    attend_current=False, rope=None, return_remainder=False, implementation=None,
+                                    config=None):
+    """`stick_breaking_attention` on a packed variable-length batch (fla-org's `cu_seqlens`,
+    shawntan's `sb_attn_varlen`; the same as `jax_attn.stick_breaking_attention_varlen`): q
+    `[total_q, Hq, D]`, k, v `[total_k, Hkv, D]`, cu_seqlens_q / cu_seqlens_k integer `[N + 1]`
+    (None: as cu_seqlens_q). Every sequence attends within itself, its stick restarting; each is
+    bottom-right aligned (its query i at key position i + len_k - len_q, for causality, the decay
+    distance and RoPE positions: keys 0, 1, ... within their sequence). scale, decay,
+    attend_current, rope, implementation, config: as `stick_breaking_attention`. Segment ids over
+    the packing serve it without a copy where q and k share their lengths; otherwise the aligned
+    layout of `attn_spec.varlen` (its padding has ids no token has: never seen).
+
+    Returns: out `[total_q, Hq, D]`, or (out, rem `[Hq, total_q]`) when return_remainder.
+    """
+    plan, same = _varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    rows = q.shape[0] + k.shape[0]  # the aligned layout's
+    out, rem = varlen.attend(
+        plan, q, k, v, aligned=not same, rope=rope is not None,
+        scatter=lambda x, slots, fill: torch.full((rows, *x.shape[1:]), fill, dtype=x.dtype,
+                                                  device=x.device).index_put((slots,), x),
+        call=lambda q, k, v, ids, positions: stick_breaking_attention(
+            q, k, v, scale=scale, decay=decay, attend_current=attend_current, segment_ids=ids, rope=rope,
+            positions=positions, return_remainder=True, implementation=implementation, config=config))
+    return (out, rem) if return_remainder else out

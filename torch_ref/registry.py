@@ -111,16 +111,19 @@ def _softmax_triton(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, r
                                                      q_pos, kv_pos, config, alibi, dropout)
 
 
-def _stick_breaking_eager(q, k, v, *, scale, decay, rope, q_pos, kv_pos, config=None):
-    return stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos)
+def _stick_breaking_eager(q, k, v, *, scale, decay, rope, q_pos, kv_pos, attend_current=False, q_ids=None,
+                          kv_ids=None, config=None):
+    return stick_breaking_ref.attention(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
+                                        attend_current=attend_current, q_ids=q_ids, kv_ids=kv_ids)
 
 
-def _stick_breaking_triton(q, k, v, *, scale, decay, rope, q_pos, kv_pos, config=None):
+def _stick_breaking_triton(q, k, v, *, scale, decay, rope, q_pos, kv_pos, attend_current=False, q_ids=None,
+                           kv_ids=None, config=None):
     q_pos, kv_pos = segment_pair_for_kernel(q_pos, kv_pos)
     decay_t = decay if isinstance(decay, torch.Tensor) else None
     decay_value = 0.0 if decay_t is not None else decay
     return _kernels("stick_breaking").StickBreakingFn.apply(q, k, v, decay_t, decay_value, scale, rope, q_pos, kv_pos,
-                                                           config)
+                                                           config, attend_current, q_ids, kv_ids)
 
 
 def _dilated_eager(q, k, v, *, segment_lengths, dilation_rates, causal, merge, scale, config=None):

@@ -1,5 +1,6 @@
-"""The stick-breaking record: `stick_breaking_attention` (ExpoSB, strictly causal, Sq == Sk) in
-both frameworks, with a learnable decay (float32 leaf; float64 in the golden).
+"""The stick-breaking record: `stick_breaking_attention` (ExpoSB, causal) in both frameworks, with a
+learnable decay (float32 leaf; float64 in the golden), attend_current either way, segment ids
+(packed sequences) and queries that are the last Sq of Sk key positions.
 
 Compared: out, rem, dq, dk, dv and d decay (a random cotangent on rem unless the case says not).
 """
@@ -17,21 +18,23 @@ from parity import variants as v
 
 
 def _sb_case(name, shape, dtype="float32", rope=None, stat_grad=True, **kw) -> Case:
-    """Shape (B, S, Hq, Hkv, D); rope (style, base) or None; decay=float or per-head tuple."""
-    b, s, hq, hkv, d = shape
-    return case(name, (b, s, s, hq, hkv, d), dtype, variant="stick_breaking", rope=rope, stat_grad=stat_grad, **kw)
+    """Shape (B, S, Hq, Hkv, D) or (B, Sq, Sk, Hq, Hkv, D); rope (style, base) or None; decay=float
+    or per-head tuple; attend_current=True; segments (`parity.cases.SEGMENTS`)."""
+    b, sq, sk, hq, hkv, d = shape if len(shape) == 6 else (shape[0], shape[1], *shape[1:])
+    return case(name, (b, sq, sk, hq, hkv, d), dtype, variant="stick_breaking", rope=rope, stat_grad=stat_grad, **kw)
 
 
 def run_jax(case: Case, implementation: str, dtype: str, inputs) -> list:
-    q, k, vv, do, dstat, _, pos = inputs
+    q, k, vv, do, dstat, seg, pos = inputs
     cast = lambda x: jnp.asarray(x, v.JAX_DTYPES[dtype])
     stat = v.JAX_DTYPES[v.stat_dtype(dtype)]
     extra = {} if case.rope is None else dict(rope=jax_attn.Rope(style=case.rope[0], base=case.rope[1]),
                                              positions=v.jax_ints(pos))
 
     def f(q, k, vv, decay):
-        return jax_attn.stick_breaking_attention(q, k, vv, decay=decay, return_remainder=True,
-                                                 implementation=implementation, **case.call_kwargs(), **extra)
+        return jax_attn.stick_breaking_attention(q, k, vv, decay=decay, segment_ids=v.jax_ints(seg),
+                                                 return_remainder=True, implementation=implementation,
+                                                 **case.call_kwargs(), **extra)
 
     (out, rem), vjp = jax.vjp(jax.jit(f), cast(q), cast(k), cast(vv), jnp.asarray(case.decay, stat))
     grads = vjp((cast(do), jnp.asarray(dstat, stat)))
@@ -39,14 +42,15 @@ def run_jax(case: Case, implementation: str, dtype: str, inputs) -> list:
 
 
 def run_torch(case: Case, implementation: str, dtype: str, inputs, device="cpu") -> list:
-    q, k, vv, do, dstat, _, pos = inputs
+    q, k, vv, do, dstat, seg, pos = inputs
     tdt = v.TORCH_DTYPES[dtype]
     leaf = lambda x, dt=tdt: torch.tensor(x, dtype=dt, device=device, requires_grad=True)
     leaves = [leaf(q), leaf(k), leaf(vv), leaf(case.decay, v.TORCH_DTYPES[v.stat_dtype(dtype)])]
     extra = {} if case.rope is None else dict(rope=torch_ref.Rope(style=case.rope[0], base=case.rope[1]),
                                              positions=v.torch_ints(pos, device))
-    out, rem = torch_ref.stick_breaking_attention(*leaves[:3], decay=leaves[3], return_remainder=True,
-                                                  implementation=implementation, **case.call_kwargs(), **extra)
+    out, rem = torch_ref.stick_breaking_attention(*leaves[:3], decay=leaves[3], segment_ids=v.torch_ints(seg, device),
+                                                  return_remainder=True, implementation=implementation,
+                                                  **case.call_kwargs(), **extra)
     cotangents = (torch.tensor(do, dtype=tdt, device=device), torch.tensor(dstat, dtype=rem.dtype, device=device))
     grads = torch.autograd.grad((out, rem), leaves, cotangents)
     return [v.to_numpy(x) for x in (out, rem, *grads)]
@@ -54,9 +58,11 @@ def run_torch(case: Case, implementation: str, dtype: str, inputs, device="cpu")
 
 def jax_call(case: Case):
     rope = None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1])
-    spec = jax_attn.AttentionSpec(scale=1.0, causal=True, rope=rope)
+    spec = jax_attn.AttentionSpec(scale=1.0, causal=True, rope=rope, has_segments=case.segments is not None,
+                                  offset=case.shape[2] - case.shape[1])
+    pair = case.positions == "pair_random" or (rope is not None and case.shape[1] != case.shape[2])
     return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype), positions=case.positions is not None,
-                                  kv_positions=case.positions == "pair_random")
+                                  kv_positions=pair)
 
 
 CASES = (
@@ -72,6 +78,14 @@ CASES = (
              decay=(0.0, 0.001, 0.01, 0.1), gpu=True),
     _sb_case("sb_fp16_1k_d64", (2, 1000, 8, 8, 64), "float16", decay=0.01, gpu=True),
     _sb_case("sb_fp32_1k", (1, 1024, 4, 2, 128), gpu=True),
+    # fla-org's / shawntan's options: the diagonal, packed sequences, decoding against a longer prefix
+    _sb_case("sb_attend_current_gqa", (1, 70, 4, 2, 32), decay=0.05, attend_current=True, quick=True),
+    _sb_case("sb_packed_rope_restart", (2, 80, 4, 2, 32), segments="packed", rope=("half", 10000.0),
+             positions="restart_per_segment", decay=0.02),
+    _sb_case("sb_prefix_fp16", (1, 24, 90, 4, 2, 64), "float16", decay=(0.0, 0.01, 0.05, 0.1), attend_current=True),
+    _sb_case("sb_bf16_2k_packed_attend_current", (2, 2048, 8, 2, 128), "bfloat16", segments="packed",
+             attend_current=True, decay=0.01, gpu=True),
+    _sb_case("sb_fp16_decode_1x4k", (2, 1, 4096, 8, 2, 128), "float16", decay=0.01, gpu=True),
 )
 
 _HEADS = {2: (0.0, 0.3), 4: (0.0, 0.1, 0.2, 0.3)}  # per-head decay (head 0: none), as linspace(0, 0.3, Hq)
@@ -107,6 +121,20 @@ GRID = (
     _sb_case("s31_rope_interleaved_restart_d16", (1, 31, 4, 4, 16), decay=_HEADS[4], rope=("interleaved", 10000.0),
              positions="restart_halfway"),
     _sb_case("s100_mqa_scalar_decay", (1, 100, 2, 1, 32), decay=0.07, slow=True),
+    # attend_current (the diagonal's stick), packed segments (the stick restarts per id), queries at
+    # the last Sq of Sk key positions, and each with GQA, RoPE, fp16, rows that see no key
+    _sb_case("attend_current_gqa_per_head", (1, 37, 4, 2, 32), decay=(0.0, 0.05, 0.2, 1.0), attend_current=True),
+    _sb_case("attend_current_rope_half_fp16", (1, 33, 2, 2, 32), "float16", rope=("half", 500.0), decay=0.1,
+             attend_current=True),
+    _sb_case("packed_rope_restart_gqa", (2, 50, 4, 2, 32), segments="packed", rope=("interleaved", 10000.0),
+             positions="restart_per_segment", decay=0.1, seed=0),
+    _sb_case("packed_attend_current_mqa_fp16", (1, 64, 2, 1, 64), "float16", segments="packed", decay=0.05,
+             attend_current=True),
+    _sb_case("decode_one_query", (1, 1, 40, 4, 2, 32), decay=(0.0, 0.1, 0.0, 0.3)),
+    _sb_case("prefix_attend_current_fp16", (1, 17, 47, 4, 2, 16), "float16", decay=0.05, attend_current=True),
+    _sb_case("prefix_unsorted_pair_mqa", (2, 21, 50, 4, 1, 32), segments="pair_unsorted", decay=0.1),
+    _sb_case("prefix_rope_half", (1, 20, 33, 2, 2, 32), rope=("half", 10000.0), decay=0.05, seed=1),
+    _sb_case("rows_without_keys", (1, 31, 31, 2, 2, 16), segments="pair_with_empty_rows", decay=0.2),
     # Compiled kernels at realistic shapes (make test-gpu).
     *(_sb_case(f"gpu_gqa_d128_{dt}", (2, 1024, 8, 2, 128), dt, decay=0.01, gpu=True) for dt in ("bfloat16", "float16")),
     *(_sb_case(f"gpu_rope_half_d64_{dt}", (1, 2048, 4, 4, 64), dt, rope=("half", 10000.0), gpu=True)
@@ -131,6 +159,18 @@ GRID = (
     _sb_case("gpu_fp32_rope_half", (1, 1024, 4, 2, 64), decay=_HEADS[4], rope=("half", 10000.0), gpu=True),
     _sb_case("gpu_d256_rope_bf16", (1, 1024, 4, 2, 256), "bfloat16", decay=_HEADS[4], rope=("interleaved", 10000.0),
              gpu=True),
+    *(_sb_case(f"gpu_attend_current_gqa_d128_{dt}", (2, 1024, 8, 2, 128), dt, decay=0.01, attend_current=True,
+               gpu=True) for dt in ("bfloat16", "float16")),
+    *(_sb_case(f"gpu_packed_{dt}", (2, 2048, 4, 2, 128), dt, segments="packed", decay=0.01, gpu=True)
+      for dt in ("bfloat16", "float16")),
+    _sb_case("gpu_packed_rope_restart_attend_current_bf16", (1, 2048, 8, 2, 64), "bfloat16", segments="packed",
+             rope=("half", 10000.0), positions="restart_per_segment", attend_current=True, gpu=True),
+    *(_sb_case(f"gpu_prefix_{dt}", (1, 300, 2048, 8, 2, 128), dt, decay=_HEADS[4] * 2, gpu=True)
+      for dt in ("bfloat16", "float16")),
+    _sb_case("gpu_decode_rope_bf16", (2, 1, 2048, 8, 2, 128), "bfloat16", rope=("half", 10000.0), decay=0.01,
+             gpu=True),
+    _sb_case("gpu_prefix_pair_segments_fp16", (1, 500, 1000, 4, 2, 64), "float16", segments="pair_sorted",
+             decay=_HEADS[4], gpu=True),
 )
 
 STICK_BREAKING = v.VariantRecord(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import types
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -17,6 +18,16 @@ from attn_spec.visit import block_lists  # noqa: F401  (re-exported: explicit bl
 from jax_attn.ops.common.spec import AttentionSpec
 
 JNP_OPS = types.SimpleNamespace(minimum=jnp.minimum, maximum=jnp.maximum, cdiv=pl.cdiv)
+_SEGMENT_OPS = types.SimpleNamespace(
+    argsort=lambda x: jnp.argsort(x, axis=-1, stable=True), take=lambda x, i: jnp.take_along_axis(x, i, axis=-1),
+    searchsorted_left=jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="left")), where=jnp.where,
+    minimum=jnp.minimum)
+
+
+def first_visible_keys(q_ids, kv_ids):
+    """`attn_spec.visit.first_visible_keys` in jnp: per query row the first key with its segment id
+    (Sk where none), [B, Sq]."""
+    return plan.first_visible_keys(q_ids, kv_ids, _SEGMENT_OPS)
 
 
 def reach(spec: AttentionSpec):

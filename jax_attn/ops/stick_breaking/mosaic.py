@@ -21,7 +21,8 @@ fp32, in z - sp): at most 1.8e-4 of the stick. The terms are capped at SP_CAP be
 (fp16 overflows at 65504, and inf times the matrix's zeros is NaN); one capped term makes every A
 left of it 2^-256, zero in fp32, so the cap changes nothing. Figures: docs/design/stick_breaking.md.
 
-Serves 16-bit inputs, padded head dim 64 or 128, no RoPE (`unsupported_reason`). No interpreter
+Serves 16-bit inputs, padded head dim 64 or 128, no RoPE, no segment ids, Sq == Sk, attend_current
+either way (`unsupported_reason`). No interpreter
 runs it on CPU: the tests lower it for CUDA there and run it on the GPU.
 """
 from __future__ import annotations
@@ -47,6 +48,12 @@ def unsupported_reason(spec: AttentionSpec, head_dim: int, dtype) -> str | None:
     """Why the Mosaic GPU stick-breaking forward cannot serve this call, or None if it can."""
     if spec.rope is not None:
         return "the Mosaic GPU stick-breaking forward does not serve RoPE"
+    if spec.has_segments:  # its key stream and walk are the causal frame's: no per-row key ranges
+        return ("the Mosaic GPU stick-breaking forward does not serve segment ids (packed sequences): its warpgroups "
+                "walk the causal frame's key blocks with no per-row mask; use implementation='triton'")
+    if spec.offset:
+        return ("the Mosaic GPU stick-breaking forward needs Sq == Sk (its frame pairs each query block with the "
+                "diagonal key block of the same index); use implementation='triton'")
     softmax_spec = AttentionSpec(scale=spec.scale, causal=True)
     return mg.unsupported_reason(softmax_spec, head_dim, dtype)
 
@@ -62,7 +69,8 @@ def _log2(x):
     return op(x)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, group: int, spent: float):
+def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, group: int, spent: float,
+                    attend_current: bool):
     *outputs, own, ring = refs
     o_ref, rem_ref, *sums_ref = outputs  # (+ the sums and the spent key blocks)
     (q_smem, tri_smem), own_ready = own
@@ -91,8 +99,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
             distance = (first - block * BLOCK + frame.iota(s.shape, 0) - frame.iota(s.shape, 1)).astype(jnp.float32)
             z = s * scale2 - lax.broadcast_in_dim(decay2, s.shape, [0]) * distance
             sp = jnp.maximum(z, 0.0) + _log2(1.0 + jnp.exp2(-jnp.abs(z)))
-            if masked:  # the diagonal block: keys j < i only
-                valid = distance > 0.0
+            if masked:  # the diagonal block: keys j < i only (j <= i with attend_current)
+                valid = distance >= 0.0 if attend_current else distance > 0.0
                 sp = jnp.where(valid, sp, 0.0)
             # fp16 terms, capped at SP_CAP (see the module doc)
             suffix = frame.matmul((BLOCK, BLOCK), jnp.minimum(sp, SP_CAP).astype(jnp.float16), tri)
@@ -117,19 +125,22 @@ def _forward_kernel(q_ref, k_ref, v_ref, decay_ref, *refs, spec: AttentionSpec, 
                     leftwards=True)
 
 
-def stick_breaking_forward(q, k, v, decay, spec: AttentionSpec, *, save_sums: bool, spent: float):
+def stick_breaking_forward(q, k, v, decay, spec: AttentionSpec, *, save_sums: bool, spent: float,
+                           attend_current: bool = False):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] padded to multiples of 2 * BLOCK rows and D in
     `mosaic_frame.HEAD_DIMS`, decay [>= Hq] fp32 -> (out, rem [B, Hq, S] fp32[, the softplus sums
     at the key-block boundaries [B, Hq, S / BLOCK, S] fp32, base 2, and per row the number of key
     blocks from key 0 whose sums reach `spent`, int32 [B, Hq, S]]), as
-    the Triton `_fwd_call` with block_k = BLOCK. It walks every tile (the Triton
+    the Triton `_fwd_call` with block_k = BLOCK. attend_current: keys j <= i (the diagonal
+    block's mask; the blocks walked are the same). It walks every tile (the Triton
     forward ends a walk where the sticks are spent; the backward skips them after either)."""
     batch, seq_pad, num_heads, head_dim = q.shape
     if seq_pad % (2 * BLOCK) or head_dim not in frame.HEAD_DIMS:
         raise ValueError(f"stick_breaking_forward needs S a multiple of {2 * BLOCK} and D in "
                          f"{frame.HEAD_DIMS}, got {q.shape}")
     decay2 = jnp.broadcast_to((decay[:num_heads] * LOG2E)[:, None], (num_heads, BLOCK))  # a [BLOCK] row per head
-    kernel = functools.partial(_forward_kernel, spec=spec, group=num_heads // k.shape[2], spent=spent)
+    kernel = functools.partial(_forward_kernel, spec=spec, group=num_heads // k.shape[2], spent=spent,
+                               attend_current=attend_current)
     out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32))
     if save_sums:
         out_type += (jax.ShapeDtypeStruct((batch, num_heads, seq_pad // BLOCK, seq_pad), jnp.float32),

@@ -1,7 +1,8 @@
 """Stick-breaking attention (ExpoSB: Tan et al., "Scaling Stick-Breaking Attention", arXiv
 2410.17980, with an exponential distance decay) as Pallas kernels (Triton lowering): forward, dQ, dK/dV.
 
-Strictly causal, for j < i:
+Causal, for j < i (the plain reference, `reference.py`, gives the options: attend_current, j <= i;
+segment ids, only keys of the row's id; Sq < Sk, i read as the query's key position i + Sk - Sq):
   z_ij = scale * q~_i . k~_j - decay_h * (i - j)          (q~, k~: RoPE-rotated when asked)
   log A_ij = log sigmoid(z_ij) - sum_{j<m<i} softplus(z_im),   o_i = sum_j A_ij v_j,
   rem_i = exp(-sum_{j<i} softplus(z_ij)) = 1 - sum_j A_ij.
@@ -16,7 +17,9 @@ direction, never a total minus a partial sum, whose cancellation costs fp32 grad
 atomics, so the results are deterministic. 16-bit inputs work in base 2 with one MUFU instruction
 per transcendental and the in-tile key sums on the tensor cores (`_key_sums`). Tiles of spent
 sticks (every A exactly 0 in fp32) are skipped, bit-equal to the dense walk (`_Static.spent`,
-`_spent_bounds`). With RoPE each key tile is rotated once per kv head and shared (`keys`).
+`_spent_bounds`). With RoPE each key tile is rotated once per kv head and shared (`keys`). The
+options move the diagonal (`_Static.shift`) and mask and bound the walks (segment ids:
+`_segment_inputs`); with none of them the kernels trace as without them.
 Design and figures: docs/design/stick_breaking.md.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_attn.ops.common import padding, triton_tiles as tiles, visit
+from jax_attn.ops.common.rope import apply_rope
 from attn_spec.tiles import check_launch_fields, pow2_at_least
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim
 from jax_attn.ops.common.triton_tiles import rope_tables
@@ -72,12 +76,30 @@ def default_stick_breaking_block_sizes(head_dim: int, interpret: bool, dtype) ->
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    spec: AttentionSpec  # scale, rope, precision (causal is implied)
+    spec: AttentionSpec  # scale, rope, precision, has_segments, offset = Sk - Sq (causal is implied)
     blocks: StickBreakingBlockSizes
     interpret: bool
     dtype: jnp.dtype  # of q, k, v
     mosaic: bool = False  # the forward on the Mosaic GPU kernel (`stick_breaking_mosaic`)
     skip: bool = True  # skip the tiles of spent sticks (`spent`; False: the tests' dense walk)
+    attend_current: bool = False  # keys j <= i (the diagonal's stick included), else j < i
+
+    @property
+    def shift(self) -> int:
+        """A query row at local index r sees the keys j < r + shift (offset + attend_current)."""
+        return self.spec.offset + int(self.attend_current)
+
+    def visible(self, rows, cols, q_seg, kv_seg, masked: bool):
+        """The element mask of a tile (rows: the queries' key positions, broadcast against cols),
+        None where every pair is visible: causal where `masked` (the tiles at the diagonal), the
+        segment ids' everywhere they are given."""
+        valid = None
+        if masked:
+            valid = cols <= rows if self.attend_current else cols < rows
+        if q_seg is not None:
+            same = q_seg == kv_seg
+            valid = same if valid is None else valid & same
+        return valid
 
     @property
     def fast(self) -> bool:  # 16-bit inputs: base-2 logs with single-MUFU exp2/log2 (see `_stick`)
@@ -252,27 +274,37 @@ WALK_CHUNK = 8
 
 
 def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, between=None,
-              stop=lambda carry: False, first=0):
+              stop=lambda carry: False, first=0, st: _Static | None = None, num_blocks=None, lo=None):
     """Walk the key blocks a query block sees (keys j < its last row) in order, leftwards from the
     diagonal or rightwards to it; the diagonal tiles evaluate the mask j < i, the others do not.
     `body(block, carry, masked)`. Leftwards, `between(full)` runs after the diagonal tiles and
     returns the number of blocks [0, full) to walk then (= full), and the walk ends early once
-    `stop(carry)` (the rows' sticks are spent): -> (carry, the number of blocks left unwalked).
-    Rightwards it starts at block `first` (those left of it are spent)."""
+    `stop(carry)` (the rows' sticks are spent) or at block `lo` (segment ids: no row sees a key
+    left of it): -> (carry, the number of blocks left unwalked). Rightwards it starts at block
+    `first` (those left of it are spent). `st.shift` moves the diagonal: row r sees keys
+    j < r + shift (Sq < Sk, attend_current); then the walk stays within the `num_blocks` key
+    blocks (padded query rows lie past the keys)."""
     first_row = pl.program_id(0) * row_block
-    hi = (first_row + row_block - 1 + block_k - 1) // block_k  # blocks holding some j < last row
-    full = first_row // block_k  # blocks with every j < first row
+    shift = 0 if st is None else st.shift
+    if shift:  # the rows' last visible key + 1 is their index + shift
+        first_row = first_row + shift
+        hi = jnp.minimum((first_row + row_block - 1 + block_k - 1) // block_k, num_blocks)
+        full = jnp.minimum(first_row // block_k, hi)
+    else:
+        hi = (first_row + row_block - 1 + block_k - 1) // block_k  # blocks holding some j < last row
+        full = first_row // block_k  # blocks with every j < first row
     masked = functools.partial(body, masked=True)
     unmasked = functools.partial(body, masked=False)
     if leftwards:
         carry = jax.lax.fori_loop(0, hi - full, lambda t, c: masked(hi - 1 - t, c), carry)
         if between is not None:
             full = between(full)
-        walking = lambda state: (state[0] < full) & jnp.logical_not(stop(state[1]))
+        bound = full if lo is None else full - lo  # the blocks to walk from full leftwards
+        walking = lambda state: (state[0] < bound) & jnp.logical_not(stop(state[1]))
 
         def chunk(state):  # a pipelined loop (a while loop per block is not: a slower forward)
             walked, carry = state
-            n = jnp.minimum(WALK_CHUNK, full - walked)
+            n = jnp.minimum(WALK_CHUNK, bound - walked)
             return walked + n, jax.lax.fori_loop(0, n, lambda t, c: unmasked(full - 1 - walked - t, c), carry)
 
         walked, carry = jax.lax.while_loop(walking, chunk, (jnp.int32(0), carry))
@@ -289,7 +321,11 @@ def _row_walk(body, carry, row_block: int, block_k: int, *, leftwards: bool, bet
 def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, save_sums: bool, group: int):
     spec = st.spec
     tris = _load_triangles(tri_ref)
-    _, _, tables, refs = tiles.unpack(refs, spec)
+    q_info, kv_info, tables, refs = tiles.unpack(refs, spec)
+    lo = None
+    if spec.has_segments:  # the first key block a row of this block sees (read outside the loops)
+        lo_ref, *refs = refs
+        lo = lo_ref[pl.program_id(0)]
     rope = spec.rope is not None
     if rope:  # (the flags' input ref, aliased to the output ref used here)
         _, o_ref, rem_ref, *saved, q_rot_ref, k_rot_ref, flags_ref = refs
@@ -306,6 +342,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
         tiles.store_parts(q_rot_ref, q, spec, head_dim)
         _barrier(st)
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
+    if spec.offset:  # the queries' key positions
+        rows = rows + spec.offset
+    q_seg = q_info.get("seg")
+    q_seg = None if q_seg is None else q_seg[:, None]
     # under GQA the kv head's first query head publishes (read outside the loops: the interpreter
     # has no program id inside them)
     publisher = pl.program_id(2) % group == 0 if group > 1 else None
@@ -365,7 +405,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
         z = _logits(q_parts, k, spec, lam, rows, cols, st.fast)
-        valid = cols < rows if masked else None
+        kv_seg = None if q_seg is None else kv_info.get("seg", tile)[None, :]
+        valid = st.visible(rows, cols, q_seg, kv_seg, masked)
         sp, _, a = _stick(z, valid, c[:, None], 1, st, tris)
         acc = acc + tiles.dot(a.astype(v.dtype), v, spec)
         return c + sp.sum(axis=1), acc, *spent
@@ -374,7 +415,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, decay_ref, tri_ref, *refs, st: _Static, sav
     carry += (jnp.zeros((block_q,), jnp.int32),) * save_sums
     (c, acc, *spent), unwalked = _row_walk(body, carry, block_q, block_k, leftwards=True,
                                            between=after_diagonal if rope else None,
-                                           stop=lambda carry: jnp.min(carry[0]) >= st.spent)
+                                           stop=lambda carry: jnp.min(carry[0]) >= st.spent, st=st,
+                                           num_blocks=k_ref.shape[0] // block_k, lo=lo)
     o_ref[...] = acc.astype(o_ref.dtype)
     rem_ref[...] = _exp(-c, st)  # (exactly 0 once spent, as the whole sum would give)
     if save_sums:  # the blocks left unwalked: spent for every row, their sums >= `spent` (A = 0)
@@ -404,27 +446,35 @@ def _publish(flags_ref, index, st: _Static):
         plgpu.atomic_max(flags_ref, (index,), jnp.int32(1))
 
 
-def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
+def _fwd_call(st: _Static, q, k, v, decay, table, seg=None, *, save_sums: bool):
     """-> out, rem, when save_sums the softplus sums at the key-block boundaries, per row the
-    number of key blocks its stick is spent on (from key 0; int32 [B, H, S]) and, for 16-bit
+    number of key blocks its stick is spent on (from key 0; int32 [B, H, Sq]) and, for 16-bit
     inputs, max |v| per (batch, kv head) (fp32 [B, Hkv], for the gradient units; else None) and,
-    with RoPE, q and k rotated (the key tiles shared by the programs of a kv head, see `keys`)."""
+    with RoPE, q and k rotated (the key tiles shared by the programs of a kv head, see `keys`).
+    seg: the segment ids' inputs (`_segment_inputs`) or None."""
     batch, seq_pad, num_heads, head_dim = q.shape
+    kv_pad = k.shape[1]
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     v_rows = save_sums and st.fast  # the Triton forward reports max |v| per key row
     if st.mosaic:
         outs = stick_breaking_mosaic.stick_breaking_forward(q, k, v, decay, st.spec, save_sums=save_sums,
-                                                            spent=st.spent)
+                                                            spent=st.spent, attend_current=st.attend_current)
         if not save_sums:
             return outs
         v_max = jnp.abs(v).max(axis=(1, 3)).astype(jnp.float32) if v_rows else None  # (a read of v, XLA)
         return (*outs, v_max)
+    v_xla = v_rows and kv_pad != seq_pad  # the query blocks do not cover every key row: max |v| by XLA
+    v_rows = v_rows and not v_xla
     bq = st.blocks.block_q
-    num_k_blocks = seq_pad // st.blocks.block_k
-    side_specs, side_args = tiles.side_specs_and_args((None, None, table, table), bq, lambda i, b, h: i,
-                                                 seq_pad, lambda *_: 0)
-    kv_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    num_k_blocks = kv_pad // st.blocks.block_k
+    q_info, kv_info, lo = (None, None, None) if seg is None else seg[:3]
+    side_specs, side_args = tiles.side_specs_and_args((q_info, kv_info, table, table), bq, lambda i, b, h: i,
+                                                      kv_pad, lambda *_: 0)
+    if lo is not None:  # the first key block each query block sees
+        side_specs.append(pl.BlockSpec((None, lo.shape[1]), lambda i, b, h: (b, 0)))
+        side_args.append(lo)
+    kv_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     sums_spec = pl.BlockSpec((None, None, num_k_blocks, bq), lambda i, b, h: (b, h, 0, i))
     q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
     tris = _triangles(st.blocks.block_k, st, k_major=False)
@@ -461,6 +511,8 @@ def _fwd_call(st: _Static, q, k, v, decay, table, *, save_sums: bool):
         return [out, rem, *rest]
     c_sums, spent, *rest = rest
     v_max = rest.pop(0).reshape(batch, num_kv_heads, group * seq_pad).max(axis=2) if v_rows else None
+    if v_xla:
+        v_max = jnp.abs(v).max(axis=(1, 3)).astype(jnp.float32)
     return [out, rem, c_sums, spent, v_max, *rest]
 
 
@@ -479,7 +531,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
     scaled back."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
-    _, _, tables, (dq_ref, ddecay_ref, g_ref, *bound_ref) = tiles.unpack(refs, spec)
+    q_info, kv_info, tables, (dq_ref, ddecay_ref, g_ref, *bound_ref) = tiles.unpack(refs, spec)
     block_q, head_dim = q_ref.shape
     block_k = st.blocks.block_k
     lam = decay_ref[pl.program_id(2)]
@@ -493,6 +545,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
         bound_ref[0][...] = bound
         shift, up, down = _gradient_unit(jnp.max(bound))
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
+    if spec.offset:  # the queries' key positions
+        rows = rows + spec.offset
+    q_seg = q_info.get("seg")
+    q_seg = None if q_seg is None else q_seg[:, None]
 
     def body(block, carry, masked):
         g_left, ddecay, dq = carry
@@ -503,7 +559,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
         v = v_ref[tile, :]
         cols = (start + jnp.arange(block_k))[None, :]
         z = _logits((q,), (k,), spec, lam, rows, cols, st.fast)
-        valid = cols < rows if masked else None
+        kv_seg = None if q_seg is None else kv_info.get("seg", tile)[None, :]
+        valid = st.visible(rows, cols, q_seg, kv_seg, masked)
         _, sigma, a = _stick(z, valid, c_ref[block, :][:, None] + shift, 1, st, tris)  # A 2^-shift
         da = tiles.dot(do, v, spec, trans_b=True)
         dz, g = _dz(a, da, sigma, valid, g_left[:, None], 1, st, tris)
@@ -514,7 +571,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, decay_ref, v_max_ref, do_ref, g0_ref, c_ref,
     first = first_ref[pl.program_id(0)]
     _fill_blocks(g_ref, first, g0)
     carry = (g0 * down, jnp.zeros((block_q,), jnp.float32), jnp.zeros((block_q, head_dim), jnp.float32))
-    _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first)
+    _, ddecay, dq = _row_walk(body, carry, block_q, block_k, leftwards=False, first=first, st=st,
+                              num_blocks=k_ref.shape[0] // block_k)
     tiles.store_rotated_back(dq_ref, dq * (spec.scale * up), spec, head_dim,
                         None if tables is None else tiles.rope_cos_sin(tables[0]))
     ddecay_ref[...] = ddecay * up
@@ -530,7 +588,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
     sums once read; dk and dv are scaled back."""
     spec = st.spec
     tris = _load_triangles(tri_ref)
-    _, _, tables, (dk_ref, dv_ref) = tiles.unpack(refs, spec)
+    q_info, kv_info, tables, (dk_ref, dv_ref) = tiles.unpack(refs, spec)
     block_k, head_dim = k_ref.shape
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
@@ -541,6 +599,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
     shift, up, down = _gradient_unit(bound_ref[first_head]) if st.fast else (0.0, 1.0, 1.0)
     v = v_ref[...]
     cols = (first_col + jnp.arange(block_k))[:, None]
+    kv_seg = kv_info.get("seg")
+    kv_seg = None if kv_seg is None else kv_seg[:, None]
 
     def body(step, carry, masked):
         dk, dv = carry
@@ -551,20 +611,22 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
         do = do_ref[tile, g, :]
         lam = decay_ref[first_head + g]
         rows = (start + jnp.arange(block_q))[None, :]
+        if spec.offset:  # the queries' key positions
+            rows = rows + spec.offset
         z = _logits((q,), (k,), spec, lam, rows, cols, st.fast, k_major=True)  # [block_k, block_q]
         # dA next to the logits' product, before the tile math: faster here, not in the dQ kernel
         # (docs/design/stick_breaking.md, 'Where the time goes when nothing is spent')
         da = tiles.dot(v, do, spec, trans_b=True)
-        valid = cols < rows if masked else None
+        q_seg = None if kv_seg is None else q_info.get("seg", tile)[None, :]
+        valid = st.visible(rows, cols, q_seg, kv_seg, masked)
         _, sigma, a = _stick(z, valid, c_ref[g, tile][None, :] + shift, 0, st, tris)  # A 2^-shift
         dz, _ = _dz(a, da, sigma, valid, g_ref[g, tile][None, :] * down, 0, st, tris)
         dv = dv + tiles.dot(a.astype(do.dtype), do, spec)
         dk = dk + tiles.dot(dz.astype(q_ref.dtype), q, spec)
         return dk, dv
 
-    lo = (first_col + 1) // block_q  # first query block with a row > the first key
-    full = (first_col + block_k - 1) // block_q + 1  # from here every row > every key
-    full = jnp.minimum(full, num_q_blocks)
+    lo = _first_query_block(first_col, block_q, st.shift)
+    full = jnp.minimum(_full_query_block(first_col, block_k, block_q, st.shift), num_q_blocks)
     near, num_extras = bounds_ref[0, pl.program_id(0)], bounds_ref[1, pl.program_id(0)]
     carry = (jnp.zeros((block_k, head_dim), jnp.float32),) * 2
     unmasked = functools.partial(body, masked=False)
@@ -576,7 +638,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, decay_ref, bound_ref, do_ref, c_ref, g_ref
     dv_ref[...] = (dv * up).astype(dv_ref.dtype)
 
 
-def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: int):
+def _first_query_block(first_col, block_q: int, shift: int):
+    """The first query block of block_q rows with a row that sees the key `first_col` (row r sees
+    the keys j < r + shift)."""
+    if shift:
+        return jnp.maximum(first_col + 1 - shift, 0) // block_q
+    return (first_col + 1) // block_q  # first query block with a row > the first key
+
+
+def _full_query_block(first_col, block_k: int, block_q: int, shift: int):
+    """The first query block from which every row sees all keys of the key block from `first_col`."""
+    if shift:
+        return (jnp.maximum(first_col + block_k - shift, 0) + block_q - 1) // block_q
+    return (first_col + block_k - 1) // block_q + 1  # from here every row > every key
+
+
+def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: int, *,
+                  num_k_blocks: int | None = None, shift: int = 0):
     """From the rows' spent key blocks (the forward's, [B, H, S]; a row needs key block j iff
     spent <= j):
     - per dQ query block the first key block to walk (its rows' least), [B, H, query blocks];
@@ -588,14 +666,16 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: in
       left out add exactly 0 (their A, g and g0 are 0). Where some rows never spend their
       sticks (0.2 % of them at the benchmark's decay) the list holds their few query blocks,
       not every query block up to the last of them.
-    Last axes padded to powers of two (Triton)."""
+    Last axes padded to powers of two (Triton). num_k_blocks: of the keys (None: as many keys as
+    rows); shift: row r sees the keys j < r + shift (`_Static.shift`)."""
     batch, num_heads, seq_pad = spent.shape
-    num_q_blocks, num_k_blocks = seq_pad // block_q_dkv, seq_pad // block_k
+    num_q_blocks = seq_pad // block_q_dkv
+    num_k_blocks = seq_pad // block_k if num_k_blocks is None else num_k_blocks
     first = spent.reshape(batch, num_heads, seq_pad // block_q, block_q).min(axis=3)
     needs = spent.reshape(batch, num_heads // group, group, num_q_blocks, block_q_dkv).min(axis=4)
     needs = jnp.swapaxes(needs, 2, 3).reshape(batch, num_heads // group, 1, num_q_blocks * group)
     key_block = jnp.arange(num_k_blocks)[None, None, :, None]  # [1, 1, key blocks, 1] against steps
-    full = jnp.minimum((key_block * block_k + block_k - 1) // block_q_dkv + 1, num_q_blocks) * group
+    full = jnp.minimum(_full_query_block(key_block * block_k, block_k, block_q_dkv, shift), num_q_blocks) * group
     near, count, extras = visit.block_lists(needs <= key_block, full, pow2_at_least(num_q_blocks * group),
                                             xp=jnp)
     bounds = jnp.stack([near, count], axis=2).astype(jnp.int32)
@@ -603,12 +683,15 @@ def _spent_bounds(spent, block_q: int, block_q_dkv: int, group: int, block_k: in
             extras)
 
 
-def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
-    """g0 [B, H, S] = drem * rem; v_max [B, Hkv]: max |v| (16-bit inputs; None for fp32, whose
+def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent, seg=None):
+    """g0 [B, H, Sq] = drem * rem; v_max [B, Hkv]: max |v| (16-bit inputs; None for fp32, whose
     sums need no gradient units); c_sums, spent: the forward's softplus sums at key-block
     boundaries and the rows' spent key blocks. With RoPE q and k are rotated already (the
-    forward's outputs); dQ and dK are rotated back."""
+    forward's outputs); dQ and dK are rotated back. seg: the segment ids' inputs
+    (`_segment_inputs`) or None: a row counts the key blocks left of its first visible key as
+    spent (they add nothing to it), so that no walk visits them for it."""
     batch, seq_pad, num_heads, head_dim = q.shape
+    kv_pad = k.shape[1]
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     blocks = st.blocks
@@ -616,21 +699,25 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
     dkdv_params = plgpu.CompilerParams(num_warps=blocks.num_warps,
                                        num_stages=blocks.num_stages_dkv or blocks.num_stages)
     bq, bk = blocks.block_q, blocks.block_k
-    num_k_blocks = seq_pad // bk
+    num_k_blocks = kv_pad // bk
     decay_spec = pl.BlockSpec(decay.shape, lambda *_: (0,))
     per_head = lambda x: padding.pad_axis(jnp.repeat(x, group, axis=1), 1, decay.shape[0], mode="edge")
     head_spec = pl.BlockSpec((None, decay.shape[0]), lambda _, b, h: (b, 0))  # [B, H (padded)] per program
     tris = [_triangles(bk, st, k_major) for k_major in (False, True)]
     tri_spec = pl.BlockSpec(tris[0].shape, lambda *_: (0, 0, 0))
-    first, bounds, extras = _spent_bounds(spent, bq, blocks.block_q_dkv, group, bk)
+    q_info, kv_info = (None, None) if seg is None else seg[:2]
+    if seg is not None:
+        spent = jnp.maximum(spent, seg[3][:, None, :])
+    first, bounds, extras = _spent_bounds(spent, bq, blocks.block_q_dkv, group, bk, num_k_blocks=num_k_blocks,
+                                          shift=st.shift)
 
     # dQ (+ the per-row decay gradient, + the g sums at each key-block boundary)
     q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-    kv_full_spec = pl.BlockSpec((None, seq_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    kv_full_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     boundary_spec = pl.BlockSpec((None, None, num_k_blocks, bq), lambda i, b, h: (b, h, 0, i))
-    side = (None, None, table, table)
-    side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, seq_pad, lambda *_: 0)
+    side = (q_info, kv_info, table, table)
+    side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0)
     boundary = jax.ShapeDtypeStruct((batch, num_heads, num_k_blocks, seq_pad), jnp.float32)
     rows = jax.ShapeDtypeStruct((batch, num_heads, seq_pad), jnp.float32)
     zeros = jnp.zeros((batch, num_kv_heads), jnp.float32)
@@ -676,15 +763,15 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stick_breaking(st, q, k, v, decay, table):
-    out, rem, *_ = _fwd_call(st, q, k, v, decay, table, save_sums=False)  # (+ q, k rotated)
+def _stick_breaking(st, q, k, v, decay, table, seg=None):
+    out, rem, *_ = _fwd_call(st, q, k, v, decay, table, seg, save_sums=False)  # (+ q, k rotated)
     return out, rem
 
 
-def _stick_breaking_fwd(st, q, k, v, decay, table):
-    out, rem, c_sums, spent, v_max, *rotated = _fwd_call(st, q, k, v, decay, table, save_sums=True)
+def _stick_breaking_fwd(st, q, k, v, decay, table, seg=None):
+    out, rem, c_sums, spent, v_max, *rotated = _fwd_call(st, q, k, v, decay, table, seg, save_sums=True)
     q, k = rotated or (q, k)  # with RoPE the backward needs q, k only rotated
-    return (out, rem), (q, k, v, decay, table, rem, c_sums, spent, v_max)
+    return (out, rem), (q, k, v, decay, table, rem, c_sums, spent, v_max, seg)
 
 
 def _sum_compensated(x):
@@ -734,38 +821,69 @@ def _gradient_unit(bound):
 
 
 def _stick_breaking_bwd(st, residuals, cotangents):
-    q, k, v, decay, table, rem, c_sums, spent, v_max = residuals
+    q, k, v, decay, table, rem, c_sums, spent, v_max, seg = residuals
     do, drem = cotangents
-    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, v_max, c_sums, spent)
+    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, v_max, c_sums, spent,
+                                   seg)
     ddecay = _sum_compensated(jnp.moveaxis(ddecay, 1, 0).reshape(ddecay.shape[1], -1))  # [H]
-    return dq, dk, dv, padding.pad_axis(ddecay, 0, decay.shape[0]), None
+    return dq, dk, dv, padding.pad_axis(ddecay, 0, decay.shape[0]), None, None
 
 
 _stick_breaking.defvjp(_stick_breaking_fwd, _stick_breaking_bwd)
 
 
-def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
-                          blocks: StickBreakingBlockSizes | None = None, interpret: bool | None = None,
-                          forward: str = "pallas_triton", skip_spent: bool = True):
-    """q [B, S, Hq, D], k/v [B, S, Hkv, D], decay [Hq] fp32 (validated) -> (out, rem [B, Hq, S]).
+def _segment_inputs(q_ids, kv_ids, seq_pad: int, kv_pad: int, blocks: StickBreakingBlockSizes):
+    """The kernels' segment inputs: (q ids [B, 1, Sq padded], kv ids [B, 1, Sk padded] int32 (the
+    side info of `tiles.unpack`), per forward query block the first key block one of its rows
+    sees [B, query blocks padded to a power of two], per row that of its own [B, Sq padded]).
+    Padded rows see no key block (their first is the number of key blocks); padded keys lie
+    right of every real row."""
+    num_k_blocks = kv_pad // blocks.block_k
+    first = visit.first_visible_keys(q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
+    first = first // blocks.block_k
+    first = jnp.pad(first, ((0, 0), (0, seq_pad - first.shape[1])), constant_values=num_k_blocks)
+    lo = first.reshape(first.shape[0], seq_pad // blocks.block_q, blocks.block_q).min(axis=2)
+    lo = padding.pad_axis(lo, 1, pow2_at_least(lo.shape[1]))
+    info = lambda ids, n: padding.pad_axis(ids.astype(jnp.int32), 1, n)[:, None, :]
+    return info(q_ids, seq_pad), info(kv_ids, kv_pad), lo.astype(jnp.int32), first.astype(jnp.int32)
 
-    pos [B, S] int32 RoPE positions when spec.rope (None: arange). Pads D to a power of two and S to a tile
-    multiple with zeros: padded keys sit right of every real row (never seen), padded rows are
-    sliced off and, with zero cotangents, add exactly zero to dK/dV. `forward="mosaic_gpu"`: the
-    forward on the Hopper kernel (`stick_breaking_mosaic`, which says what it serves), the
-    backward here (its tiles then keep block_k = 64, the forward's key-block boundaries).
-    `skip_spent=False` walks the tiles of spent sticks too (`_Static.spent`): the same results,
-    bit for bit (the tests hold the skipping to that).
+
+def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None, kv_pos=None, q_ids=None, kv_ids=None,
+                          attend_current: bool = False, blocks: StickBreakingBlockSizes | None = None,
+                          interpret: bool | None = None, forward: str = "pallas_triton", skip_spent: bool = True):
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Sq <= Sk, spec.offset = Sk - Sq: query i at key
+    position i + offset), decay [Hq] fp32 (validated) -> (out, rem [B, Hq, Sq]).
+
+    pos [B, S] int32 RoPE positions when spec.rope (None: arange); with kv_pos (the keys' own) or
+    Sq != Sk, q and k are rotated by XLA (`apply_rope`) and the kernels run without RoPE (their
+    in-kernel rotation reads one table for q and k rows alike). q_ids [B, Sq], kv_ids [B, Sk]:
+    segment ids (spec.has_segments). attend_current: keys j <= i. Pads D to a power of two and S
+    to a tile multiple with zeros: padded keys sit right of every real row (never seen), padded
+    rows are sliced off and, with zero cotangents, add exactly zero to dK/dV.
+    `forward="mosaic_gpu"`: the forward on the Hopper kernel (`stick_breaking_mosaic`, which says
+    what it serves), the backward here (its tiles then keep block_k = 64, the forward's key-block
+    boundaries). `skip_spent=False` walks the tiles of spent sticks too (`_Static.spent`): the
+    same results, bit for bit (the tests hold the skipping to that).
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     batch, seq_len, _, head_dim = q.shape
-    head_pad = padded_head_dim(spec, head_dim)
+    kv_len = k.shape[1]
     if forward not in ("pallas_triton", "mosaic_gpu"):
         raise ValueError(f"forward must be 'pallas_triton' or 'mosaic_gpu', got {forward!r}")
+    if spec.offset != kv_len - seq_len or spec.has_segments != (q_ids is not None):
+        raise ValueError(f"{spec.offset=} must be Sk - Sq ({kv_len} - {seq_len}) and {spec.has_segments=} must say "
+                         f"whether segment ids are given")
     mosaic = forward == "mosaic_gpu"
     if mosaic and (reason := stick_breaking_mosaic.unsupported_reason(spec, head_dim, q.dtype)):
         raise NotImplementedError(f"implementation='mosaic' cannot serve this call: {reason}")
+    if spec.rope is not None and (kv_pos is not None or spec.offset):  # rotated by XLA
+        q_pos = pos
+        if q_pos is None:
+            q_pos = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32) + spec.offset, (batch, seq_len))
+        q, k = apply_rope(q, q_pos, spec.rope), apply_rope(k, kv_pos, spec.rope)
+        spec, pos = dataclasses.replace(spec, rope=None), None
+    head_pad = padded_head_dim(spec, head_dim)
     if blocks is None:
         blocks = default_stick_breaking_block_sizes(head_pad, interpret, q.dtype)
     if mosaic:  # S is padded to the forward's tile instead of fitting the tiles to S
@@ -774,14 +892,17 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None,
                              f"blocks.block_k must be {stick_breaking_mosaic.BLOCK}, got {blocks.block_k}")
         tile = max(blocks.block_q, blocks.block_q_dkv, 2 * stick_breaking_mosaic.BLOCK)
     else:
-        blocks = blocks.fitted(seq_len)
+        blocks = blocks.fitted(kv_len)
         tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv)
     seq_pad = pl.cdiv(seq_len, tile) * tile
+    kv_pad = pl.cdiv(kv_len, tile) * tile
     qp = padding.pad_axis(padding.pad_head_dim(q, spec, head_pad, True), 1, seq_pad)
-    kp = padding.pad_axis(padding.pad_head_dim(k, spec, head_pad, True), 1, seq_pad)
-    vp = padding.pad_axis(padding.pad_head_dim(v, spec, head_pad, False), 1, seq_pad)
+    kp = padding.pad_axis(padding.pad_head_dim(k, spec, head_pad, True), 1, kv_pad)
+    vp = padding.pad_axis(padding.pad_head_dim(v, spec, head_pad, False), 1, kv_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
     decay_pad = padding.pad_axis(decay.astype(jnp.float32), 0, pow2_at_least(decay.shape[0]))
-    st = _Static(spec, blocks, interpret, jnp.dtype(q.dtype), mosaic=mosaic, skip=skip_spent)
-    out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table)
+    st = _Static(spec, blocks, interpret, jnp.dtype(q.dtype), mosaic=mosaic, skip=skip_spent,
+                 attend_current=attend_current)
+    seg = None if q_ids is None else _segment_inputs(q_ids, kv_ids, seq_pad, kv_pad, blocks)
+    out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table, seg)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]

@@ -225,16 +225,20 @@ def validate_decay(decay, q: torch.Tensor):
     return decay
 
 
-def validate_stick_breaking(q, k, v, scale, decay, rope, positions):
-    """-> (scale, decay, q_pos, kv_pos). The tensor checks are flash_attention's (shapes, dtypes,
-    devices, heads, head dim, scale), plus Sq == Sk; rope / positions likewise."""
-    scale = validate(q, k, v, False, scale, None, None, None)[0]
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"stick-breaking attention is causal self-attention: q and k/v need the same sequence "
-                         f"length, got Sq={q.shape[1]} (q {list(q.shape)}), Sk={k.shape[1]} (k {list(k.shape)})")
-    q_pos, kv_pos = validate_rope(q, k, rope, positions)
+def validate_stick_breaking(q, k, v, scale, decay, rope, positions, attend_current=False, segment_ids=None):
+    """-> (scale, decay, q_pos, kv_pos, q_ids, kv_ids). The tensor checks are flash_attention's
+    (shapes, dtypes, devices, heads, head dim, scale, segment ids: one [B, S] tensor for Sq == Sk
+    or a pair), plus Sq <= Sk (the queries are the last Sq positions of the keys: RoPE positions
+    default to Sk - Sq + arange(Sq) for q) and attend_current a bool; rope / positions likewise."""
+    scale, q_ids, kv_ids = validate(q, k, v, False, scale, segment_ids, None, None)[:3]
+    if k.shape[1] < q.shape[1]:
+        raise ValueError(f"stick-breaking attention puts the queries at the last Sq positions of the keys: Sq <= Sk "
+                         f"needed, got Sq={q.shape[1]} (q {list(q.shape)}), Sk={k.shape[1]} (k {list(k.shape)})")
+    if not isinstance(attend_current, bool):
+        raise TypeError(f"attend_current must be a bool, got attend_current={attend_current!r}")
+    q_pos, kv_pos = validate_rope(q, k, rope, positions, q_offset=k.shape[1] - q.shape[1])
     decay = validate_decay(decay, q)
-    return scale, decay, q_pos, kv_pos
+    return scale, decay, q_pos, kv_pos, q_ids, kv_ids
 
 
 def validate_dilated(q, k, v, causal, scale, segment_lengths, dilation_rates, merge):
