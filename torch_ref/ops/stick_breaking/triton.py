@@ -36,6 +36,7 @@ import types
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from attn_spec import visit
 from attn_spec.tiles import check_launch_fields
@@ -126,7 +127,29 @@ def _exp(x, BASE2: tl.constexpr):
         else:
             y = tl.exp2(x)
     else:
+        y = _exp_exact(x)
+    return y
+
+
+@triton.jit
+def _exp_exact(x):
+    """e^x for the fp32 path: libdevice's expf in compiled kernels (Triton lowers tl.exp on fp32 to
+    ex2.approx of x * log2(e), whose error grows with |x|; JAX's Pallas Triton lowering calls
+    expf), tl.exp in the interpreter."""
+    if _PTX:
+        y = libdevice.exp(x)
+    else:
         y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _log_exact(x):
+    """log for the fp32 path: libdevice's logf in compiled kernels, tl.log in the interpreter."""
+    if _PTX:
+        y = libdevice.log(x)
+    else:
+        y = tl.log(x)
     return y
 
 
@@ -146,7 +169,7 @@ def _log1p(e):
     log(u) * e / (u - 1) with u = fl(1 + e), and e itself where u == 1)."""
     u = 1.0 + e
     tiny = u == 1.0
-    return tl.where(tiny, e, tl.log(u) * (e / tl.where(tiny, 1.0, u - 1.0)))
+    return tl.where(tiny, e, _log_exact(u) * (e / tl.where(tiny, 1.0, u - 1.0)))
 
 
 @triton.jit
@@ -158,7 +181,7 @@ def _softplus_logsigmoid(z, BASE2: tl.constexpr):
     if BASE2:
         t = _log2(1.0 + _exp(-tl.abs(z), BASE2))
     else:
-        t = _log1p(tl.exp(-tl.abs(z)))
+        t = _log1p(_exp_exact(-tl.abs(z)))
     return tl.maximum(z, 0.0) + t, tl.minimum(z, 0.0) - t
 
 
