@@ -385,6 +385,8 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, segment_ids=None
         One that cannot serve a step raises NotImplementedError.
       config: the implementation's tile config (`BlockSizes` / `MosaicBlockSizes`), None: default.
 
+    The Pallas kernels ("triton", "mosaic") need the enclosing shard_map to run with
+    check_vma=False (they carry no varying-axes types); otherwise a ValueError says so.
     Steps the mask leaves empty are skipped; statistics merge in fp32; the backward (dK/dV
     travelling with K/V) is deterministic. Returns out [B, L, Hq, D] (q.dtype), or (out, lse).
     """
@@ -417,8 +419,19 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, segment_ids=None
     compute_layout = layout if spec.has_position_mask else "contiguous"  # no mask: one chunk, all visible
     st = ring_ops.Static(axis_name, num_shards, compute_layout, strategy, spec, None)
     st = dataclasses.replace(st, step=_step_backend(implementation, config, st.case_specs(length), head_dim, q.dtype))
+    if st.step.implementation != "xla" and _varying_axes(q):
+        raise ValueError(f"implementation={st.step.implementation!r}: the Pallas kernels carry no varying-axes "
+                         f"(vma) types; call jax.shard_map with check_vma=False around ring_attention "
+                         f"(context_parallel_attention does), or implementation='xla'")
     out, lse = ring_ops.sequence_parallel_attention(st, q, k, v, q_ids, kv_ids)
     return (out, lse) if return_lse else out
+
+
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes x is typed as varying over (empty unless shard_map checks them)."""
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else getattr(x, "aval", None)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
 
 def _shard_map(f, mesh, in_specs, out_specs):

@@ -271,6 +271,13 @@ def test_errors():
     with pytest.raises(ValueError, match="strategy must be one of"):
         jax.shard_map(lambda q: jax_attn.ring_attention(q, q, q, axis_name="sp", strategy="tree"), mesh=mesh,
                       in_specs=spec, out_specs=spec, check_vma=False)(q)
+    q = jnp.zeros((1, 64, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="check_vma=False"):
+        jax.shard_map(lambda q: jax_attn.ring_attention(q, q, q, axis_name="sp", implementation="triton"),
+                      mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True)(q)
+    checked = jax.shard_map(lambda q: jax_attn.ring_attention(q, q, q, axis_name="sp", implementation="xla"),
+                            mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True)
+    assert jax.eval_shape(checked, q).shape == q.shape  # the plain steps type-check
 
 
 def test_default_strategy_rule():
