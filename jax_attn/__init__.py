@@ -5,7 +5,7 @@ Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD). Implementations
 (`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`) are passed as `config=`.
 """
 from jax_attn.api import (context_parallel_attention, default_strategy, dilated_attention, flash_attention,
-                          flash_attention_varlen, ring_attention, stick_breaking_attention,
+                          flash_attention_varlen, ring_attention, ring_dilated_attention, stick_breaking_attention,
                           stick_breaking_attention_varlen)
 from jax_attn.ops.ring.layout import from_layout, from_zigzag, layout_positions, to_layout, to_zigzag
 from jax_attn.device import DeviceInfo, device_info, recommended_dtype
@@ -31,6 +31,6 @@ __all__ = [
     "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "stick_breaking_attention",
     "stick_breaking_attention_varlen",
     "stick_breaking_reference", "UnknownImplementationError", "orderings",
-    "ring_attention", "context_parallel_attention", "default_strategy", "to_zigzag", "from_zigzag", "to_layout",
+    "ring_attention", "ring_dilated_attention", "context_parallel_attention", "default_strategy", "to_zigzag", "from_zigzag", "to_layout",
     "from_layout", "layout_positions",
 ]

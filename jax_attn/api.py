@@ -12,6 +12,7 @@ from attn_spec import dilation, varlen
 from jax_attn import registry
 from jax_attn.ops.common import validation
 from jax_attn.ops.common.rope import Rope, apply_rope
+from jax_attn.ops.ring import dilated as ring_dilated
 from jax_attn.ops.ring import layout as ring_layout
 from jax_attn.ops.ring import ring as ring_ops
 from jax_attn.ops.ring.step import Step
@@ -533,4 +534,60 @@ def context_parallel_attention(q, k, v, *, mesh, axis, strategy: str | None = No
     axis_name = axis
     in_specs = tuple(None if x is None else spec for x in rows)
     out, lse = _shard_map(local, mesh, in_specs, (spec, jax.sharding.PartitionSpec(None, None, axis)))(*rows)
+    return (out, lse) if return_lse else out
+
+
+def ring_dilated_attention(q, k, v, *, axis_name, segment_lengths, dilation_rates, causal: bool = False,
+                           scale: float | None = None, return_lse: bool = False, implementation: str | None = None):
+    """`dilated_attention` (merge="lse") on a sequence sharded contiguously over the mesh axis
+    `axis_name`, called inside `jax.shard_map`: each shard's rows of the global result.
+
+    Args:
+      q: [B, L, H, D], k, v: [B, L, Hkv, D]: shard d holds rows d L .. (d + 1) L - 1 of the global
+        sequence of S = P L rows (layout "contiguous").
+      segment_lengths, dilation_rates: as `dilated_attention`. Every rate must divide L; a segment
+        (cut to S) either tiles the shards (L a multiple of it: the branch runs on each shard's own
+        rows, no traffic) or is a multiple of L spanning a whole number of shards (its dilated rows,
+        1 / r of the rows, travel a ring over those shards).
+      causal, scale, return_lse: as `dilated_attention`. implementation: as `ring_attention` for the
+        spanning branches, as `dilated_attention` for the local ones.
+
+    Returns out [B, L, H, D], or (out, lse [B, H, L]).
+    """
+    validation.check_arrays(q, k, v)
+    batch, length, num_heads, head_dim = q.shape
+    if k.shape[1] != length:
+        raise ValueError(f"dilated attention is self-attention: q and k shards need the same length, got "
+                         f"{q.shape=} and {k.shape=}")
+    num_shards = _axis_size(axis_name)
+    lengths, rates = dilation.check_config(segment_lengths, dilation_rates, "lse", num_heads)
+    seq_len = length * num_shards
+    scale = validation.check_positive("scale", scale)
+    scale = head_dim ** -0.5 if scale is None else scale
+    outs, lses = [], []
+    for w, r in zip(lengths, rates):
+        if length % r:
+            raise ValueError(f"dilation rate {r} must divide the shard length L={length}")
+        w = min(w, -(-seq_len // r) * r)
+        if w <= length:
+            if length % w:
+                raise ValueError(f"segment length {w} must divide the shard length L={length} (or be a multiple "
+                                 f"of it spanning whole shards)")
+            out, lse = dilated_attention(q, k, v, segment_lengths=(w,), dilation_rates=(r,), causal=causal,
+                                         scale=scale, return_lse=True, implementation=implementation)
+        else:
+            if w % length or num_shards % (w // length):
+                raise ValueError(f"segment length {w} longer than the shard length L={length} must span a whole "
+                                 f"number of shards dividing the {num_shards} of axis {axis_name!r}")
+            spec = AttentionSpec(scale=scale, causal=bool(causal), precision=validation.fp32_precision(q.dtype))
+            st = ring_ops.Static(axis_name, num_shards, "contiguous", "ring", spec, None, group=w // length)
+            rows = length // r
+            st = dataclasses.replace(st, step=_step_backend(implementation, None, st.case_specs(rows), head_dim,
+                                                            q.dtype))
+            out, lse = ring_ops.sequence_parallel_attention(st, *(ring_dilated.select(x, r, num_heads)
+                                                                  for x in (q, k, v)))
+            out, lse = ring_dilated.scatter(out, lse, r)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = ring_dilated.merge(outs, lses, q.dtype)
     return (out, lse) if return_lse else out

@@ -47,6 +47,12 @@ class Static:
     strategy: str
     spec: AttentionSpec
     step: Step
+    group: int = 0  # ring: rings of `group` consecutive shards (0: one ring of all; the sequence
+    # of a ring is its shards' rows, e.g. one dilated segment spread over them)
+
+    @property
+    def ring_size(self) -> int:
+        return self.group or self.num_shards
 
     @property
     def mask(self) -> lay.Mask:
@@ -62,11 +68,12 @@ class Static:
         return dataclasses.replace(self.spec, offset=case)
 
     def pair_cases(self, source_of, q_slot: int, kv_slot: int, chunk: int):
-        return lay.pair_cases(self.mask, self.layout, self.num_shards, source_of, q_slot, kv_slot, chunk)
+        return lay.pair_cases(self.mask, self.layout, self.ring_size, source_of, q_slot, kv_slot, chunk)
 
     def sources(self):
-        """Per visit: shard -> the shard whose K/V it sees (ring step t: d - t; all-gather: j)."""
-        p = self.num_shards
+        """Per visit: shard -> the shard whose K/V it sees (ring step t: d - t; all-gather: j);
+        shards numbered within their ring."""
+        p = self.ring_size
         if self.strategy == "ring":
             return [lambda d, t=t: (d - t) % p for t in range(p)]
         return [lambda d, j=j: j for j in range(p)]
@@ -86,6 +93,11 @@ def _switch(cases, table, shard, branch, operands):
     return lax.switch(jnp.asarray(table)[shard], [branch(c) for c in cases], *operands)
 
 
+def _shard_in_ring(st: Static):
+    shard = lax.axis_index(st.axis_name)
+    return shard % st.ring_size if st.ring_size != st.num_shards else shard
+
+
 def _chunk(x, slot: int, size: int, axis: int = 1):
     if x is None:
         return None
@@ -93,9 +105,9 @@ def _chunk(x, slot: int, size: int, axis: int = 1):
 
 
 def _shift(tree, st: Static):
-    """Every shard sends to the next one on the ring (shard d receives shard d - 1's)."""
-    p = st.num_shards
-    return lax.ppermute(tree, st.axis_name, [(d, (d + 1) % p) for d in range(p)])
+    """Every shard sends to the next one on its ring (shard d receives shard d - 1's)."""
+    g = st.ring_size
+    return lax.ppermute(tree, st.axis_name, [(d, d - d % g + (d % g + 1) % g) for d in range(st.num_shards)])
 
 
 def _gather(x, st: Static):
@@ -113,7 +125,7 @@ def _visits(st: Static, k, v, kv_seg):
         return
     kv = (k, v, kv_seg)
     for t, source in enumerate(st.sources()):
-        following = _shift(kv, st) if t + 1 < st.num_shards else None  # issued before this step's work
+        following = _shift(kv, st) if t + 1 < st.ring_size else None  # issued before this step's work
         yield source, kv
         kv = following
 
@@ -122,7 +134,7 @@ def _forward(st: Static, q, k, v, q_seg, kv_seg):
     """-> out [B, L, Hq, D], lse, m2, inv_l [B, Hq, L] (merged over the whole sequence)."""
     batch, length, num_heads, head_dim = q.shape
     n, size = st.chunks, q.shape[1] // st.chunks
-    shard = lax.axis_index(st.axis_name)
+    shard = _shard_in_ring(st)
     wide = wide_float(q.dtype)
     accs = [empty_accumulator(batch, size, num_heads, head_dim, wide) for _ in range(n)]
 
@@ -149,7 +161,7 @@ def _forward(st: Static, q, k, v, q_seg, kv_seg):
 
 def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
     n, size = st.chunks, q.shape[1] // st.chunks
-    shard = lax.axis_index(st.axis_name)
+    shard = _shard_in_ring(st)
     wide = wide_float(q.dtype)
     delta = delta_of(out, do, dlse)
     do = do.astype(q.dtype)
