@@ -329,3 +329,75 @@ def test_gpu_matches_one_device(layout, strategy):
     again = grads(par, jnp.bfloat16)
     for a, b in zip(ours, again):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring dilated attention
+# ---------------------------------------------------------------------------------------------
+
+DILATED = [
+    # S = 128 over 4 shards of 32: segments 16 and 32 stay in a shard, 64 spans 2 shards, 256 (cut to
+    # 128) all four; GQA (kv heads repeated per query head: the heads of a group keep other rows)
+    pytest.param("xla", "float32", False, id="xla_fp32"),
+    pytest.param("xla", "float16", True, id="xla_fp16_causal", marks=pytest.mark.slow),
+    pytest.param("triton", "float32", True, id="triton_fp32_causal", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("implementation, dtype, causal", DILATED)
+def test_ring_dilated_matches_single_device(implementation, dtype, causal):
+    """ring_dilated_attention on 4 devices: out, lse, dq, dk, dv within the rule against the float64
+    golden of dilated_attention on the global arrays."""
+    config = dict(segment_lengths=(16, 32, 64, 256), dilation_rates=(1, 2, 2, 4), causal=causal)
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(s) for s in [(1, 128, 4, 16), (1, 128, 2, 16), (1, 128, 2, 16), (1, 128, 4, 16),
+                                               (1, 4, 128)]]
+    single = lambda q, k, v: jax_attn.dilated_attention(q, k, v, return_lse=True, implementation="xla", **config)
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"):
+        golden = _vjp_run(single, arrays, jnp.float64)
+    mesh, spec = _mesh(4), P(None, "sp")
+    sharded = jax.shard_map(
+        lambda q, k, v: jax_attn.ring_dilated_attention(q, k, v, axis_name="sp", return_lse=True,
+                                                        implementation=implementation, **config),
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, P(None, None, "sp")), check_vma=False)
+    with jax.default_matmul_precision("highest"):
+        naive = _vjp_run(single, arrays, jnp.dtype(dtype))
+        fast = _vjp_run(sharded, arrays, jnp.dtype(dtype))
+    for name, f, n, g in zip(QUANTITIES, fast, naive, golden):
+        verdict = compare(f, n, g, NP_DTYPE[dtype], FORWARD_FACTOR if name in ("out", "lse") else GRADIENT_FACTOR)
+        assert verdict.ok, f"{name}: {verdict}"
+
+
+def test_ring_dilated_errors():
+    mesh, spec = _mesh(4), P(None, "sp")
+    q = jnp.zeros((1, 96, 2, 16), jnp.float32)  # shards of 24
+
+    def call(**config):
+        return jax.eval_shape(jax.shard_map(
+            lambda q: jax_attn.ring_dilated_attention(q, q, q, axis_name="sp", implementation="xla", **config),
+            mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False), q)
+
+    assert call(segment_lengths=(12, 48), dilation_rates=(1, 2)).shape == q.shape  # 12 tiles 24; 48 spans 2
+    with pytest.raises(ValueError, match="rate 5 must divide the shard length"):
+        call(segment_lengths=(20,), dilation_rates=(5,))
+    with pytest.raises(ValueError, match="segment length 16 must divide the shard length"):
+        call(segment_lengths=(16,), dilation_rates=(1,))
+    with pytest.raises(ValueError, match="must span a whole number of shards"):
+        call(segment_lengths=(36,), dilation_rates=(1,))
+    with pytest.raises(ValueError, match="must span a whole number of shards"):
+        call(segment_lengths=(72,), dilation_rates=(1,))  # 3 shards of 4
+    with pytest.raises(ValueError, match="is not a mesh axis bound here"):
+        jax_attn.ring_dilated_attention(q, q, q, axis_name="sp", segment_lengths=(8,), dilation_rates=(1,))
+
+
+def test_transfer_issued_before_the_steps_work():
+    """In the traced program every ring step's K/V transfer precedes that step's work (XLA then
+    overlaps them): the first ppermute comes before the first score product, and the P - 1
+    transfers are there."""
+    mesh, spec = _mesh(4), P(None, "sp")
+    f = jax.shard_map(lambda q: jax_attn.ring_attention(q, q, q, axis_name="sp", causal=True, layout="contiguous",
+                                                        implementation="xla"),
+                      mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    text = str(jax.make_jaxpr(f)(jnp.zeros((1, 64, 2, 16), jnp.float32)))
+    assert text.index("ppermute") < text.index("dot_general")
+    assert text.count("ppermute[") >= 3  # (the custom_vjp prints its forward more than once)
