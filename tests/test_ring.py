@@ -154,6 +154,7 @@ SLOW_CASES = [
     Case("triton_contiguous_ring_window_both_softcap_p4", 4, "contiguous", "ring", "triton", (1, 96, 2, 1, 16),
          window=(20, 9), softcap=5.0, segments="packed"),
     Case("xla_zigzag_ring_causal_bf16_p8", 8, "zigzag", "ring", "xla", (1, 256, 4, 1, 32), "bfloat16", causal=True),
+    Case("xla_zigzag_ring_window_both_gqa_p4", 4, "zigzag", "ring", "xla", (1, 160, 4, 2, 16), window=(23, 31)),
     Case("xla_zigzag_allgather_pair_rope_p8", 8, "zigzag", "all_gather", "xla", (1, 192, 2, 2, 16), causal=True,
          segments="pair", rope=True),
 ]

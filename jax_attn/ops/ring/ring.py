@@ -202,10 +202,14 @@ def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
                                                  scatter_dimension=1, tiled=True)
         dk, dv = scatter(dk_all), scatter(dv_all)
     else:
-        dkv = (kv_zeros(), kv_zeros())
+        dkv = None
         for source, kv in _visits(st, k, v, kv_seg):
-            dk, dv = list(dkv[0]), list(dkv[1])
+            # this step's dK/dV apart from the arriving accumulators, so that their transfer
+            # overlaps the step's work; added just before they move on
+            dk, dv = kv_zeros(), kv_zeros()
             visit(source, kv, dk, dv)
+            if dkv is not None:
+                dk, dv = [a + b for a, b in zip(dkv[0], dk)], [a + b for a, b in zip(dkv[1], dv)]
             dkv = _shift((dk, dv), st)  # with their K/V; after the last step, home
         dk, dv = (jnp.concatenate(x, axis=1) for x in dkv)
     return jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
