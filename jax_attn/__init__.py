@@ -3,6 +3,9 @@
 Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD). Implementations ("triton",
 "mosaic", "xla") and the rule for implementation=None live in `jax_attn.registry`; tile configs
 (`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`) are passed as `config=`.
+Sequence parallelism over a mesh axis: `ring_attention` / `ring_dilated_attention` (inside
+`jax.shard_map`) and `context_parallel_attention` (global arrays); zigzag helpers `to_zigzag`,
+`from_zigzag`.
 """
 from jax_attn.api import (context_parallel_attention, default_strategy, dilated_attention, flash_attention,
                           flash_attention_varlen, ring_attention, ring_dilated_attention, stick_breaking_attention,

@@ -50,6 +50,11 @@ class Static:
     group: int = 0  # ring: rings of `group` consecutive shards (0: one ring of all; the sequence
     # of a ring is its shards' rows, e.g. one dilated segment spread over them)
 
+    def __post_init__(self):
+        if self.group and (self.strategy != "ring" or self.num_shards % self.group):
+            raise ValueError(f"rings of {self.group} shards need strategy='ring' and a multiple of {self.group} "
+                             f"shards, got strategy={self.strategy!r} over {self.num_shards}")
+
     @property
     def ring_size(self) -> int:
         return self.group or self.num_shards
@@ -190,7 +195,7 @@ def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
                     ((dq[m], dk[c], dv[c]), q_m, _chunk(k_, c, size), _chunk(v_, c, size), _chunk(q_seg, m, size),
                      _chunk(kv_seg_, c, size), do_m, m2_m, inv_l_m, delta_m))
 
-    if st.strategy == "all_gather":
+    if st.strategy == "all_gather":  # K/V gathered again rather than kept from the forward (memory)
         dk_all, dv_all = [], []
         for source, kv in _visits(st, k, v, kv_seg):
             dk, dv = kv_zeros(), kv_zeros()
