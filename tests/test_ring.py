@@ -208,7 +208,8 @@ def test_ring_attention_under_callers_shard_map():
     q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 16)), jnp.float32) for _ in range(3))
     out, lse = _under_own_shard_map(4, q, k, v, causal=True, implementation="xla")
     ref, ref_lse = jax.jit(lambda q, k, v: jax_attn.context_parallel_attention(
-        q, k, v, mesh=_mesh(4), axis="sp", causal=True, implementation="xla", strategy="ring", return_lse=True))(q, k, v)
+        q, k, v, mesh=_mesh(4), axis="sp", causal=True, implementation="xla", strategy="ring",
+        return_lse=True))(q, k, v)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)  # the same steps, fused apart
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-6)
     single, single_lse = jax_attn.flash_attention(q, k, v, causal=True, implementation="xla", return_lse=True)

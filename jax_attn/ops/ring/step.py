@@ -134,8 +134,8 @@ def merge(acc, o, m2, inv_l):
 
 
 def empty_accumulator(batch: int, length: int, num_heads: int, head_dim: int, dtype=jnp.float32):
-    return (jnp.zeros((batch, length, num_heads, head_dim), dtype), jnp.full((batch, num_heads, length), -jnp.inf, dtype),
-            jnp.zeros((batch, num_heads, length), dtype))
+    return (jnp.zeros((batch, length, num_heads, head_dim), dtype),
+            jnp.full((batch, num_heads, length), -jnp.inf, dtype), jnp.zeros((batch, num_heads, length), dtype))
 
 
 def finish(acc, out_dtype):
