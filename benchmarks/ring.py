@@ -7,8 +7,9 @@ Run on the GPU machine from the repository root (uses `jax.devices()`: 1, 2, 4 o
     PYTHONPATH=. python3 benchmarks/ring.py --out benchmarks/results [--quick]
 
 Cases: bf16, B=1, 16 heads of 128, causal, forward and forward+backward, at 128k and 512k tokens
-(and 1M on 4 or more GPUs); --quick: 16k and 64k (a smoke run in under two minutes); --smoke: tiny
-float32 shapes on 4 CPU devices (the code paths only).
+(and 1M on 4 or more GPUs); --quick: 32k (a smoke run in under two minutes); --smoke: tiny float32
+shapes on 4 CPU devices (the code paths only); --lengths picks others. A full run on 4 GPUs times
+the one-GPU kernel at 1M tokens too (tens of seconds a call): `--repeats 1` or `--budget` keep it short.
 
 Columns (each row one (case, column, mode)):
     one_gpu          jax_attn.flash_attention on the first GPU (the default implementation)
@@ -47,8 +48,8 @@ def lengths(opts, devices: int):
         return [128 * devices]
     if opts.lengths:
         return [int(s) for s in opts.lengths.split(",")]
-    if opts.quick:
-        return [16384, 65536]
+    if opts.quick:  # one length: compilation dominates a quick run
+        return [32768]
     return [131072, 524288] + ([1048576] if devices >= 4 else [])
 
 
