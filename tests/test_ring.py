@@ -403,3 +403,22 @@ def test_transfer_issued_before_the_steps_work():
     text = str(jax.make_jaxpr(f)(jnp.zeros((1, 64, 2, 16), jnp.float32)))
     assert text.index("ppermute") < text.index("dot_general")
     assert text.count("ppermute[") >= 3  # (the custom_vjp prints its forward more than once)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_mosaic_steps_lower_for_cuda(causal):
+    """The Hopper kernels as ring steps (the engine's row-mapped calls with rows=None: a full pair
+    and a diagonal one, GQA 4/2): forward and backward at given statistics lower for CUDA (no
+    interpreter runs Mosaic GPU kernels on CPU; the gpu tests run them)."""
+    from jax_attn.ops.common.spec import AttentionSpec
+    from jax_attn.ops.ring.step import Step
+
+    spec = AttentionSpec(scale=0.125, causal=causal)
+    step = Step("mosaic")
+    q = jax.ShapeDtypeStruct((1, 320, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 320, 2, 64), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1, 4, 320), jnp.float32)
+    f = jax.jit(lambda q, k, v: step.forward(q, k, v, None, None, spec))
+    assert "mosaic_gpu" in f.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    g = jax.jit(lambda q, k, v, do, m2, inv_l, delta: step.backward(q, k, v, None, None, spec, do, m2, inv_l, delta))
+    assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
