@@ -456,3 +456,17 @@ def test_gpu_ring_dilated_matches_one_device():
     print(f"{devices} GPUs ring dilated: relative error one GPU {err_one}, sequence-parallel {err_ours}")
     for name, e1, e2, factor in zip(("out", "dq", "dk", "dv"), err_one, err_ours, (2, 3, 3, 3)):
         assert e2 <= factor * e1 + 1e-3, (name, e1, e2)
+
+
+def test_given_rope_positions_follow_their_rows():
+    """RoPE positions given per token (packed sequences restarting at 0) reach every shard with its
+    rows (reordered into zigzag order with them): the result is the single-device one."""
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 16)), jnp.float32) for _ in range(3))
+    ids = jnp.asarray((np.arange(64) >= 40).astype(np.int32))[None]
+    positions = jnp.asarray(np.where(np.arange(64) >= 40, np.arange(64) - 40, np.arange(64)).astype(np.int32))[None]
+    kw = dict(causal=True, segment_ids=ids, positions=positions, rope=jax_attn.Rope(style="interleaved"),
+              implementation="xla")
+    ours = jax.jit(lambda q, k, v: jax_attn.context_parallel_attention(q, k, v, mesh=_mesh(4), axis="sp", **kw))(q, k, v)
+    single = jax_attn.flash_attention(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(single), atol=2e-6)
