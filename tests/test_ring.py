@@ -467,6 +467,7 @@ def test_given_rope_positions_follow_their_rows():
     positions = jnp.asarray(np.where(np.arange(64) >= 40, np.arange(64) - 40, np.arange(64)).astype(np.int32))[None]
     kw = dict(causal=True, segment_ids=ids, positions=positions, rope=jax_attn.Rope(style="interleaved"),
               implementation="xla")
-    ours = jax.jit(lambda q, k, v: jax_attn.context_parallel_attention(q, k, v, mesh=_mesh(4), axis="sp", **kw))(q, k, v)
+    mesh = _mesh(4)
+    ours = jax.jit(lambda q, k, v: jax_attn.context_parallel_attention(q, k, v, mesh=mesh, axis="sp", **kw))(q, k, v)
     single = jax_attn.flash_attention(q, k, v, **kw)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(single), atol=2e-6)
