@@ -8,6 +8,8 @@
 #   softmax, rope, sb, dilated, sweep   one full benchmark: benchmarks/softmax.py, rope.py,
 #            stick_breaking.py, dilated.py, sweep_blocks.py (extra arguments: SOFTMAX_ARGS, SB_ARGS,
 #            DILATED_ARGS)
+#   ring     benchmarks/ring.py on every visible GPU (RING_ARGS, e.g. --quick; only when named: it
+#            wants several GPUs)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -60,6 +62,9 @@ if has sb; then  # with torch, JAX grows its memory and the plain-jnp fwd+bwd ro
 fi
 if has dilated; then
   timeout ${DILATED_TIMEOUT:-600} python3 benchmarks/dilated.py --out "$OUT" ${DILATED_ARGS:-} 2>&1 | tee "$OUT/dilated-log.txt" | tail -30
+fi
+if [[ " $stages " == *" ring "* ]]; then
+  timeout ${RING_TIMEOUT:-600} python3 benchmarks/ring.py --out "$OUT" ${RING_ARGS:-} 2>&1 | tee "$OUT/ring-log.txt" | tail -30
 fi
 if has sweep; then
   timeout ${SWEEP_TIMEOUT:-400} python3 benchmarks/sweep_blocks.py --out "$OUT" 2>&1 | tee "$OUT/sweep-log.txt" | tail -20

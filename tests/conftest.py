@@ -15,6 +15,13 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Eight CPU devices for the sequence-parallel tests (tests/test_ring.py); the flag must precede jax's
+# backend initialisation. Other tests are unaffected: the default device stays the first one, and
+# the flag only concerns the CPU platform.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
 # The library must work under jax's strict settings (its own test suites run under them): every
 # test here does, so that an implicit rank or dtype promotion anywhere fails loudly.
 import jax  # noqa: E402

@@ -384,8 +384,9 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
 
 
 def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
-              do, m2, inv_l, delta):
-    """q is rotated already with RoPE (the forward's output), k is not."""
+              do, m2, inv_l, delta, grad_dtype=None):
+    """q is rotated already with RoPE (the forward's output), k is not. grad_dtype: the dtype of
+    dq, dk, dv (default: q's, k's, v's)."""
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
@@ -422,7 +423,8 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
         grid=(kv_pad // bk, batch, programs),
         in_specs=in_specs,
         out_specs=[kv_out_spec] * (2 + rotated),
-        out_shape=[jax.ShapeDtypeStruct(kv_shape, k.dtype), jax.ShapeDtypeStruct(kv_shape, v.dtype)]
+        out_shape=[jax.ShapeDtypeStruct(kv_shape, grad_dtype or k.dtype),
+                   jax.ShapeDtypeStruct(kv_shape, grad_dtype or v.dtype)]
         + [jax.ShapeDtypeStruct(k.shape, k.dtype)] * rotated,  # k rotated, for the dQ kernel
         compiler_params=params, interpret=st.interpret, name="flash_bwd_dkdv",
     )(dkdv_ranges, as_groups(q), k, v, as_groups(do), rows_as_groups(m2),
@@ -446,7 +448,7 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
         grid=(q_pad // bq, batch, programs),
         in_specs=in_specs,
         out_specs=dq_spec,
-        out_shape=jax.ShapeDtypeStruct((batch, q_pad, programs, head_dim), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((batch, q_pad, programs, head_dim), grad_dtype or q.dtype),
         compiler_params=params, interpret=st.interpret, name="flash_bwd_dq",
     )(dq_ranges, q, *k_rot or [k], v, do, m2, inv_l, delta, *side_args)
     return dq, dk, dv
@@ -580,47 +582,58 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
 
 # ----------------------------------------------------------------------------------------------
 # Row-mapped calls: the engine over a view whose heads are slots (dilated attention's branches,
-# `attn_spec.dilation`), forward and backward as separate steps, for a caller that merges the
-# statistics of several calls before it differentiates them.
+# `attn_spec.dilation`), or over plain arrays (rows=None: ring attention's steps), forward and
+# backward as separate steps, for a caller that merges the statistics of several calls before it
+# differentiates them.
 # ----------------------------------------------------------------------------------------------
 
 
-def _mapped_setup(q, k, v, seg, spec: AttentionSpec, rows: RowMap, blocks, interpret, mosaic_blocks):
+def _mapped_setup(q, k, v, q_seg, kv_seg, spec: AttentionSpec, rows: RowMap | None, blocks, interpret,
+                  mosaic_blocks):
     """Pads the view to the tile grid -> (static, padded q, k, v, side inputs, ranges by kernel)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    length, head_dim = q.shape[1], q.shape[3]
+    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     head_pad = padded_head_dim(spec, head_dim)
-    blocks = (blocks or default_block_sizes(head_pad, interpret, q.dtype)).fitted(length, length)
+    blocks = (blocks or default_block_sizes(head_pad, interpret, q.dtype)).fitted(q_len, kv_len)
     tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv, blocks.block_k_dkv,
                blocks.block_q_dq, blocks.block_k_dq, *(mosaic_blocks.tiles if mosaic_blocks else ()))
-    padded = pl.cdiv(length, tile) * tile
-    pad = lambda x: padding.pad_axis(padding.pad_axis(x, 3, head_pad), 1, padded)
+    q_pad, kv_pad = pl.cdiv(q_len, tile) * tile, pl.cdiv(kv_len, tile) * tile
+    pad = lambda x, n: padding.pad_axis(padding.pad_axis(x, 3, head_pad), 1, n)
     side = [None] * 4
     if spec.has_segments:
-        seg = padding.pad_axis(seg.astype(jnp.int32), 1, padded, mode="edge")
-        side[:2] = (_side_info(tiles.info_fields(spec), padded, seg),) * 2
-    st = _Static(spec, blocks, length, length, interpret, rows=rows, mosaic=mosaic_blocks)
+        fields = tiles.info_fields(spec)
+        if kv_seg is q_seg and q_pad == kv_pad:  # one array serves both sides (a view's ids)
+            q_seg = kv_seg = padding.pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
+            side[:2] = (_side_info(fields, q_pad, q_seg),) * 2
+        else:
+            q_seg = padding.pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
+            kv_seg = padding.pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad, mode="edge")
+            side[:2] = _side_info(fields, q_pad, q_seg), _side_info(fields, kv_pad, kv_seg)
+    st = _Static(spec, blocks, q_len, kv_len, interpret, rows=rows, mosaic=mosaic_blocks)
 
     def ranges(bq, bk, key_major):
-        return block_ranges(spec, length, length, bq, bk, padded // bq, padded // bk, seg, seg,
+        return block_ranges(spec, q_len, kv_len, bq, bk, q_pad // bq, kv_pad // bk, q_seg, kv_seg,
                             key_major=key_major)
 
     plans = (ranges(blocks.block_q, blocks.block_k, False), ranges(blocks.block_q_dq, blocks.block_k_dq, False),
              ranges(blocks.block_q_dkv, blocks.block_k_dkv, True))
-    return st, pad(q), pad(k), pad(v), tuple(side), plans
+    return st, pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), tuple(side), plans
 
 
-def mapped_forward(q, k, v, seg, spec: AttentionSpec, rows: RowMap, *, blocks: BlockSizes | None = None,
+def mapped_forward(q, k, v, seg, spec: AttentionSpec, rows: RowMap | None, *, blocks: BlockSizes | None = None,
                    interpret: bool | None = None, out_dtype=None,
-                   mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None):
+                   mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None, kv_seg=None):
     """Attention over a view read through `rows`: q [B', L, rate * H, D], k/v [B', L, rate * Hkv, D],
     segment ids seg [B' * rate, L] (row `rows.side_row(b, h)`) when spec.has_segments.
     -> out [B', L, P, D] (out_dtype, default q's), m2, inv_l [B', P, L] fp32 (P = rows.programs):
     P = exp2(s2 - m2) * inv_l; a row with no visible key has m2 = +inf, inv_l = 0. With
     `mosaic_blocks` the Hopper kernels run it (where `mosaic_gpu.unsupported_reason` allows; they
-    write out in q's dtype and keep lse2 alone: m2 = lse2, inv_l = 1)."""
-    st, qp, kp, vp, side, (fwd, _, _) = _mapped_setup(q, k, v, seg, spec, rows, blocks, interpret, mosaic_blocks)
+    write out in q's dtype and keep lse2 alone: m2 = lse2, inv_l = 1).
+    rows=None: plain attention, q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Sq and Sk may differ), seg
+    the query ids [B, Sq] and kv_seg the keys' [B, Sk] (default seg); P = Hq."""
+    st, qp, kp, vp, side, (fwd, _, _) = _mapped_setup(q, k, v, seg, seg if kv_seg is None else kv_seg, spec, rows,
+                                                      blocks, interpret, mosaic_blocks)
     if mosaic_blocks is not None:
         out, lse2 = mosaic_gpu.flash_forward(qp, kp, vp, spec, st.kv_len, mosaic_blocks, row_map=rows)
         empty = lse2 == -jnp.inf
@@ -631,14 +644,16 @@ def mapped_forward(q, k, v, seg, spec: AttentionSpec, rows: RowMap, *, blocks: B
     return out[:, :length, :, :head_dim], m2[:, :, :length], inv_l[:, :, :length]
 
 
-def mapped_backward(q, k, v, seg, spec: AttentionSpec, rows: RowMap, do, m2, inv_l, delta, *,
+def mapped_backward(q, k, v, seg, spec: AttentionSpec, rows: RowMap | None, do, m2, inv_l, delta, *,
                     blocks: BlockSizes | None = None, interpret: bool | None = None,
-                    mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None):
+                    mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None, kv_seg=None, grad_dtype=None):
     """The backward of `mapped_forward` at given row statistics (m2, inv_l, delta [B', P, L] fp32,
     P = exp2(s2 - m2) * inv_l; delta = rowsum(dO * O) - dlse), dO [B', L, rate * H, D] read through
-    `rows` like q. -> dq, dk, dv [B', L, P, D], each program's own (dk, dv per query head)."""
-    st, qp, kp, vp, side, (_, dq_plan, dkdv_plan) = _mapped_setup(q, k, v, seg, spec, rows, blocks, interpret,
-                                                                  mosaic_blocks)
+    `rows` like q. -> dq, dk, dv [B', L, P, D], each program's own (dk, dv per query head).
+    rows=None: plain attention as in `mapped_forward`; dk, dv [B, Sk, Hkv, D] (summed over each
+    GQA group in the kernel). grad_dtype: the Triton kernels' gradient dtype (default the inputs')."""
+    st, qp, kp, vp, side, (_, dq_plan, dkdv_plan) = _mapped_setup(q, k, v, seg, seg if kv_seg is None else kv_seg,
+                                                                  spec, rows, blocks, interpret, mosaic_blocks)
     padded = qp.shape[1]
     dop = padding.pad_axis(padding.pad_axis(do.astype(q.dtype), 3, qp.shape[3]), 1, padded)
     stat = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, padded - x.shape[2])), constant_values=fill)
@@ -649,6 +664,6 @@ def mapped_backward(q, k, v, seg, spec: AttentionSpec, rows: RowMap, do, m2, inv
                                                st.kv_len, mosaic_blocks, row_map=rows)
     else:
         dq, dk, dv = _bwd_call(st, qp, kp, vp, side, dq_plan, dkdv_plan, dop, stat(m2, jnp.inf),
-                               stat(inv_l, 0.0), stat(delta, 0.0))
-    length, head_dim = q.shape[1], q.shape[3]
-    return tuple(x[:, :length, :, :head_dim] for x in (dq, dk, dv))
+                               stat(inv_l, 0.0), stat(delta, 0.0), grad_dtype=grad_dtype)
+    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]

@@ -1,0 +1,247 @@
+"""Sequence-parallel softmax attention under `jax.shard_map`: ring attention and all-gather context
+parallelism, forward and backward, on the one flash engine (`step.Step`).
+
+Every shard holds its queries and its keys/values as one or two chunks (`layout`). The attention of
+a query chunk is the online-softmax merge, in fp32, of its attention to every key chunk of the
+sequence, pair by pair: each pair is one static case (`layout.pair_case`: skipped, unmasked, or
+masked at a static position offset); the shard index is traced, so a pair slot switches
+(`lax.switch`) over the few cases the shards meet, each a static engine call.
+
+- ring (Liu et al., "Ring Attention with Blockwise Transformers", arXiv 2310.01889): K/V (with
+  their segment ids) travel the ring with `lax.ppermute`, P steps; the next step's transfer is
+  issued before the current step's work so that XLA overlaps them.
+- all_gather (Llama 3's context parallelism, kvax): K/V are all-gathered once; the backward
+  reduce-scatters dK/dV (`lax.psum_scatter`).
+
+The merged output is one softmax over all the keys, so the backward (a `custom_vjp`) runs every
+pair's backward at the merged statistics (m2, inv_l, delta), as ring-flash-attention does: dQ
+accumulates locally, dK/dV accumulators travel the ring with their K/V (fp32) and come home after
+the last step. Every sum runs in a fixed order: deterministic. Design: docs/design/ring.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_attn.ops.common.rope import wide_float
+from jax_attn.ops.common.spec import AttentionSpec
+from jax_attn.ops.ring import layout as lay
+from jax_attn.ops.ring.step import Step, delta_of, empty_accumulator, finish, merge
+
+STRATEGIES = ("ring", "all_gather")
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """What one call computes: the mesh axis and its size, the layout of the compute chunks
+    ("contiguous" when no position mask: then chunks do not matter), the strategy, the base spec
+    (scale, causal, window, soft cap, segments, precision; offset 0) and the step backend."""
+
+    axis_name: object
+    num_shards: int
+    layout: str
+    strategy: str
+    spec: AttentionSpec
+    step: Step
+    group: int = 0  # ring: rings of `group` consecutive shards (0: one ring of all; the sequence
+    # of a ring is its shards' rows, e.g. one dilated segment spread over them)
+
+    def __post_init__(self):
+        if self.group and (self.strategy != "ring" or self.num_shards % self.group):
+            raise ValueError(f"rings of {self.group} shards need strategy='ring' and a multiple of {self.group} "
+                             f"shards, got strategy={self.strategy!r} over {self.num_shards}")
+
+    @property
+    def ring_size(self) -> int:
+        return self.group or self.num_shards
+
+    @property
+    def mask(self) -> lay.Mask:
+        return lay.Mask(self.spec.causal, self.spec.window_left, self.spec.window_right)
+
+    @property
+    def chunks(self) -> int:
+        return lay.chunks_per_shard(self.layout)
+
+    def spec_for(self, case) -> AttentionSpec:
+        if case == lay.FULL:
+            return dataclasses.replace(self.spec, causal=False, window_left=None, window_right=None, offset=0)
+        return dataclasses.replace(self.spec, offset=case)
+
+    def pair_cases(self, source_of, q_slot: int, kv_slot: int, chunk: int):
+        return lay.pair_cases(self.mask, self.layout, self.ring_size, source_of, q_slot, kv_slot, chunk)
+
+    def sources(self):
+        """Per visit: shard -> the shard whose K/V it sees (ring step t: d - t; all-gather: j);
+        shards numbered within their ring."""
+        p = self.ring_size
+        if self.strategy == "ring":
+            return [lambda d, t=t: (d - t) % p for t in range(p)]
+        return [lambda d, j=j: j for j in range(p)]
+
+    def case_specs(self, shard_len: int) -> tuple[AttentionSpec, ...]:
+        """The specs of every engine call the call makes (for choosing and checking the backend)."""
+        chunk = shard_len // self.chunks
+        cases = {c for source in self.sources() for m in range(self.chunks) for n in range(self.chunks)
+                 for c in self.pair_cases(source, m, n, chunk)[0] if c != lay.EMPTY}
+        return tuple(self.spec_for(c) for c in sorted(cases, key=str))
+
+
+def _switch(cases, table, shard, branch, operands):
+    """Run the shard's case of a pair slot: a static call where every shard has the same case."""
+    if len(cases) == 1:
+        return branch(cases[0])(*operands)
+    return lax.switch(jnp.asarray(table)[shard], [branch(c) for c in cases], *operands)
+
+
+def _shard_in_ring(st: Static):
+    shard = lax.axis_index(st.axis_name)
+    return shard % st.ring_size if st.ring_size != st.num_shards else shard
+
+
+def _chunk(x, slot: int, size: int, axis: int = 1):
+    if x is None:
+        return None
+    return lax.slice_in_dim(x, slot * size, (slot + 1) * size, axis=axis)
+
+
+def _shift(tree, st: Static):
+    """Every shard sends to the next one on its ring (shard d receives shard d - 1's)."""
+    g = st.ring_size
+    return lax.ppermute(tree, st.axis_name, [(d, d - d % g + (d % g + 1) % g) for d in range(st.num_shards)])
+
+
+def _gather(x, st: Static):
+    return None if x is None else lax.all_gather(x, st.axis_name, axis=1, tiled=True)
+
+
+def _visits(st: Static, k, v, kv_seg):
+    """(source_of, (k, v, kv_seg) of that source) per visit; the ring issues the next transfer
+    before the caller works on the current visit (a generator: the caller's work comes between)."""
+    if st.strategy == "all_gather":
+        gathered = [_gather(x, st) for x in (k, v, kv_seg)]
+        length = k.shape[1]
+        for j, source in enumerate(st.sources()):
+            yield source, tuple(_chunk(x, j, length) for x in gathered)
+        return
+    kv = (k, v, kv_seg)
+    for t, source in enumerate(st.sources()):
+        following = _shift(kv, st) if t + 1 < st.ring_size else None  # issued before this step's work
+        yield source, kv
+        kv = following
+
+
+def _forward(st: Static, q, k, v, q_seg, kv_seg):
+    """-> out [B, L, Hq, D], lse, m2, inv_l [B, Hq, L] (merged over the whole sequence)."""
+    batch, length, num_heads, head_dim = q.shape
+    n, size = st.chunks, q.shape[1] // st.chunks
+    shard = _shard_in_ring(st)
+    wide = wide_float(q.dtype)
+    accs = [empty_accumulator(batch, size, num_heads, head_dim, wide) for _ in range(n)]
+
+    def branch(case):
+        def run(acc, q, k, v, q_seg, kv_seg):
+            if case == lay.EMPTY:  # skipped: nothing computed
+                return acc
+            return merge(acc, *st.step.forward(q, k, v, q_seg, kv_seg, st.spec_for(case)))
+        return run
+
+    for source, (k_, v_, kv_seg_) in _visits(st, k, v, kv_seg):
+        for m in range(n):
+            for c in range(n):
+                cases, table = st.pair_cases(source, m, c, size)
+                if cases == (lay.EMPTY,):
+                    continue
+                accs[m] = _switch(cases, table, shard, branch,
+                                  (accs[m], _chunk(q, m, size), _chunk(k_, c, size), _chunk(v_, c, size),
+                                   _chunk(q_seg, m, size), _chunk(kv_seg_, c, size)))
+    parts = [finish(acc, q.dtype) for acc in accs]
+    out = jnp.concatenate([p[0] for p in parts], axis=1)
+    return (out, *(jnp.concatenate([p[i] for p in parts], axis=2) for i in (1, 2, 3)))
+
+
+def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
+    n, size = st.chunks, q.shape[1] // st.chunks
+    shard = _shard_in_ring(st)
+    wide = wide_float(q.dtype)
+    delta = delta_of(out, do, dlse)
+    do = do.astype(q.dtype)
+    dq = [jnp.zeros((q.shape[0], size, *q.shape[2:]), wide) for _ in range(n)]
+    kv_zeros = lambda: [jnp.zeros((k.shape[0], size, *k.shape[2:]), wide) for _ in range(n)]
+
+    def branch(case):
+        def run(grads, q, k, v, q_seg, kv_seg, do, m2, inv_l, delta):
+            if case == lay.EMPTY:
+                return grads
+            step = st.step.backward(q, k, v, q_seg, kv_seg, st.spec_for(case), do, m2, inv_l, delta)
+            return tuple(g + s for g, s in zip(grads, step))
+        return run
+
+    def visit(source, kv, dk, dv):
+        k_, v_, kv_seg_ = kv
+        for m in range(n):
+            rows = (_chunk(q, m, size), _chunk(do, m, size), *(_chunk(x, m, size, axis=2) for x in (m2, inv_l, delta)))
+            for c in range(n):
+                cases, table = st.pair_cases(source, m, c, size)
+                if cases == (lay.EMPTY,):
+                    continue
+                q_m, do_m, m2_m, inv_l_m, delta_m = rows
+                dq[m], dk[c], dv[c] = _switch(
+                    cases, table, shard, branch,
+                    ((dq[m], dk[c], dv[c]), q_m, _chunk(k_, c, size), _chunk(v_, c, size), _chunk(q_seg, m, size),
+                     _chunk(kv_seg_, c, size), do_m, m2_m, inv_l_m, delta_m))
+
+    if st.strategy == "all_gather":  # K/V gathered again rather than kept from the forward (memory)
+        dk_all, dv_all = [], []
+        for source, kv in _visits(st, k, v, kv_seg):
+            dk, dv = kv_zeros(), kv_zeros()
+            visit(source, kv, dk, dv)
+            dk_all += dk
+            dv_all += dv
+        # each shard's gradient of every key: summed over the shards and scattered to the owners
+        scatter = lambda parts: lax.psum_scatter(jnp.concatenate(parts, axis=1), st.axis_name,
+                                                 scatter_dimension=1, tiled=True)
+        dk, dv = scatter(dk_all), scatter(dv_all)
+    else:
+        dkv = None
+        for source, kv in _visits(st, k, v, kv_seg):
+            # this step's dK/dV apart from the arriving accumulators, so that their transfer
+            # overlaps the step's work; added just before they move on
+            dk, dv = kv_zeros(), kv_zeros()
+            visit(source, kv, dk, dv)
+            if dkv is not None:
+                dk, dv = [a + b for a, b in zip(dkv[0], dk)], [a + b for a, b in zip(dkv[1], dv)]
+            dkv = _shift((dk, dv), st)  # with their K/V; after the last step, home
+        dk, dv = (jnp.concatenate(x, axis=1) for x in dkv)
+    return jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(st, q, k, v, q_seg, kv_seg):
+    out, lse, _, _ = _forward(st, q, k, v, q_seg, kv_seg)
+    return out, lse
+
+
+def _attend_fwd(st, q, k, v, q_seg, kv_seg):
+    out, lse, m2, inv_l = _forward(st, q, k, v, q_seg, kv_seg)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, m2, inv_l)
+
+
+def _attend_bwd(st, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, out, m2, inv_l = residuals
+    do, dlse = cotangents
+    dq, dk, dv = _backward(st, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse)
+    return dq, dk, dv, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def sequence_parallel_attention(st: Static, q, k, v, q_seg=None, kv_seg=None):
+    """Inside shard_map: local shards q [B, L, Hq, D], k/v [B, L, Hkv, D] (validated; RoPE already
+    applied), ids [B, L] or None -> (out [B, L, Hq, D], lse [B, Hq, L])."""
+    return _attend(st, q, k, v, q_seg, kv_seg)
