@@ -361,8 +361,8 @@ def test_hilbert_dilated_layer_is_the_ordered_multihead_layer():
     plain = jax_attn.MultiheadDilatedAttention(4, 32, ordering="hilbert", grid=(4, 5), rngs=nnx.Rngs(0), **kw)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 20, 32)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(hilbert(x)), np.asarray(plain(x)))
-    with pytest.raises(ValueError, match="has 16 cells but the sequence has 20"):
-        jax_attn.HilbertDilatedAttention(4, 32, grid=(4, 4), rngs=nnx.Rngs(0), **kw)(x)
+    with pytest.raises(ValueError, match="has 24 cells but the sequence has 20"):
+        jax_attn.HilbertDilatedAttention(4, 32, grid=(4, 6), rngs=nnx.Rngs(0), **kw)(x)
     with pytest.raises(ValueError, match="grid must be"):
         torch_ref.HilbertDilatedAttention(4, 32, grid=(4, "5"), **kw)
     with pytest.raises(ValueError, match="ordering must be one of"):
