@@ -17,8 +17,8 @@ row m of virtual sequence (segment, offset) is ordered position p = seg * w + m 
 original token pi[p]. No view of q, k, v exists then: each branch's kernels gather their tiles'
 rows from the unviewed arrays at those tokens (`_Plan.orig`), causality compares them. The
 compact branch outputs are merged as above in the ordered layout and the merged out, lse, dq, dk,
-dv are read back to the original order in the merge's last step (one gather, fused by XLA with
-the cast it does anyway).
+dv are read back to the original order in the merge's last step (one XLA gather along the
+sequence, before the cast to the input dtype).
 """
 from __future__ import annotations
 
