@@ -336,7 +336,7 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
     if k_rot_ref:
         tiles.store_parts(k_rot_ref[0], k, spec, head_dim)
     k = tiles.join_parts(k, spec, head_dim)  # rotated: the products take q, k whole
-    v = v_ref[kv_at, :]
+    v = v_ref[...] if kv_rows is None else v_ref[kv_rows, :]
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
     kv_seg = kv_info.get("seg")
     kv_seg = None if kv_seg is None else kv_seg[:, None]
@@ -407,10 +407,10 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     block_q, head_dim = st.blocks.block_q_dq, q_ref.shape[-1]
     block_k = st.blocks.block_k_dq
     q_rows = _gathered_rows(q_info, q_ref)  # under an ordering: the tile's rows in q, dO
-    q_at = slice(None) if q_rows is None else q_rows
-    q = q_ref[q_at, :]  # q, k rotated already: the products take them whole
-    do = do_ref[q_at, :]
-    stat_at = q_rows if q_rows is not None and st.scatter else slice(None)
+    q_at = ... if q_rows is None else (q_rows, slice(None))
+    q = q_ref[q_at]  # q, k rotated already: the products take them whole
+    do = do_ref[q_at]
+    stat_at = q_rows if q_rows is not None and st.scatter else ...
     m2 = m2_ref[stat_at][:, None]
     inv_l = inv_l_ref[stat_at][:, None]
     delta = delta_ref[stat_at][:, None]
