@@ -15,7 +15,8 @@ Cases (bf16, B=1, 16 heads of 128, forward and forward+backward):
                   segment 128, dilation 2, every ordering (grid 16 x 32)
 TF/s on the visible pairs: window S x (left + right + 1) x 4 x H x D (causal: the pairs with
 j <= i are about half; counted whole), dilated the LongNet branch FLOPs (benchmarks/dilated.py);
-forward+backward 3.5x. --quick: window and dilated at 32k, project512, fewer columns.
+forward+backward 3.5x. --quick (a smoke run, about 2 minutes; --budget 110 unless given):
+project512 first, then window and dilated at 32k with identity, hilbert, composite, torch_hilbert.
 
 Columns:
     identity          no ordering, implementation="triton" (the same kernels without the gather)
@@ -140,15 +141,15 @@ def cases(opts):
                 OrderCase("dilated", 1, 256, 2, 32, params={"kind": "dilated", "segments": (64, 128),
                                                             "rates": (1, 2), "grid": (16, 16)})]
     grid = (128, 256)
+    project = OrderCase("project512", 2, 512, 8, 32, params={"kind": "dilated", "segments": (128,), "rates": (2,),
+                                                              "grid": (16, 32)})
     out = [OrderCase("window", 1, 32768, 16, 128, params={"kind": "window", "window": (256, 255), "grid": grid}),
            OrderCase("dilated", 1, 32768, 16, 128, params={"kind": "dilated", "segments": DILATED[0],
                                                            "rates": DILATED[1], "grid": grid})]
     if not opts.quick:
         out.insert(1, OrderCase("window_causal", 1, 32768, 16, 128, causal=True,
                                 params={"kind": "window", "window": (512, 0), "grid": grid}))
-    out.append(OrderCase("project512", 2, 512, 8, 32, params={"kind": "dilated", "segments": (128,), "rates": (2,),
-                                                               "grid": (16, 32)}))
-    return out
+    return [project] + out if opts.quick else out + [project]
 
 
 def _kwargs(case) -> dict:
@@ -164,7 +165,7 @@ def _call(lib, case):
 
 def ours(ordering, implementation="triton"):
     def build(case, opts):
-        if ordering not in (None, "hilbert", "zorder") and case.tag != "project512" and opts.quick:
+        if ordering not in (None, "hilbert") and case.tag != "project512" and opts.quick:
             raise Absent("--quick: this ordering on the original project's case only")
         import jax_attn
         f, kw = _call(jax_attn, case), _kwargs(case)
@@ -218,13 +219,13 @@ def torch_build(mode):
 
 COLUMNS = [
     Column("identity", ours(None)),
-    Column("identity_default", ours(None, None), compare=False),
+    Column("identity_default", ours(None, None), compare=False, quick=False),
     *(Column(name, ours(name), compare=name == "hilbert") for name in NAMES),
     Column("composite", composite("triton")),
-    Column("composite_default", composite(None)),
-    Column("torch_identity", torch_build("identity"), framework="torch", compare=False),
+    Column("composite_default", composite(None), quick=False),
+    Column("torch_identity", torch_build("identity"), framework="torch", compare=False, quick=False),
     Column("torch_hilbert", torch_build("hilbert"), framework="torch"),
-    Column("torch_composite", torch_build("composite"), framework="torch"),
+    Column("torch_composite", torch_build("composite"), framework="torch", quick=False),
 ]
 
 
@@ -233,7 +234,10 @@ def main(argv=None) -> int:
     p.add_argument("--locality-only", action="store_true", help="the NumPy locality table alone (CPU)")
     p.add_argument("--locality-grid", default="128x128", help="the patch grid of the locality table")
     p.add_argument("--locality-window", type=int, default=256)
-    opts = harness.finish_options(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.quick and args.budget is None:
+        args.budget = 110.0
+    opts = harness.finish_options(args)
     grid = tuple(int(x) for x in opts.locality_grid.split("x"))
     if opts.smoke and opts.locality_grid == "128x128":
         grid = (32, 32)
