@@ -16,6 +16,13 @@ A layer's attention kind and its position scheme are two separate arguments:
                               only: Flax's `deterministic` (`model.train()` / `model.eval()`) with a
                               `dropout_key` or the layer's dropout stream, torch's `training` with a
                               `dropout_seed` or one drawn from torch's generator.
+  ordering, grid:             a space-filling-curve ordering of the tokens (a name of
+                              `attn_spec.orderings.ORDERINGS`, None for none) over a token grid
+                              (rows, cols) or (depth, rows, cols) holding the sequence (None: the
+                              near-square default): the window (softmax) or the dilated segments
+                              are laid on the ordered sequence (image patches, video), causality and
+                              segment ids keep the original order (see `flash_attention`);
+                              attention="softmax" or "dilated" only.
   position="none":     no position information (permutation-equivariant unless causal / windowed).
   position="absolute": the sinusoidal table of `attn_spec.positions` is added to the attention
                        input before the q/k/v projections (at `positions` when given, else at
@@ -38,7 +45,7 @@ import dataclasses
 import math
 import numbers
 
-from attn_spec import dilation
+from attn_spec import dilation, orderings
 from attn_spec.rope import Rope
 
 ATTENTIONS = ("softmax", "stick_breaking", "dilated")
@@ -48,7 +55,8 @@ _DILATED_ONLY = {"segment_lengths": None, "dilation_rates": None, "merge": "lse"
 # attention kind -> {argument it does not take: the neutral value that argument must keep}
 UNUSED_BY = {
     "softmax": {"decay": 0.0, "learn_decay": False, **_DILATED_ONLY},
-    "stick_breaking": {"window": None, "softcap": None, "dropout_rate": 0.0, **_DILATED_ONLY},
+    "stick_breaking": {"window": None, "softcap": None, "dropout_rate": 0.0, "ordering": None, "grid": None,
+                       **_DILATED_ONLY},
     "dilated": {"window": None, "softcap": None, "decay": 0.0, "learn_decay": False, "dropout_rate": 0.0},
 }
 # call arguments an attention kind refuses
@@ -74,6 +82,21 @@ def check_dropout_rate(dropout_rate) -> float:
     return float(dropout_rate)
 
 
+def check_ordering_args(ordering, grid):
+    """A layer's ordering (a name of `orderings.ORDERINGS` or None) and token grid -> (ordering,
+    grid as a tuple or None); the grid's size is checked against the sequence at the call."""
+    if ordering is not None and (not isinstance(ordering, str) or ordering not in orderings.ORDERINGS):
+        raise ValueError(f"ordering must be one of {orderings.ORDERINGS} or None, got ordering={ordering!r}")
+    if grid is None:
+        return ordering, None
+    if ordering is None:
+        raise ValueError(f"grid={grid!r} is given without an ordering (pass ordering='hilbert', ...)")
+    if (isinstance(grid, (str, bytes)) or not hasattr(grid, "__len__") or len(grid) not in (2, 3)
+            or any(isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1 for g in grid)):
+        raise ValueError(f"grid must be (rows, cols) or (depth, rows, cols) of positive ints, got grid={grid!r}")
+    return ordering, tuple(int(g) for g in grid)
+
+
 def inverse_softplus(y: float) -> float:
     """x with softplus(x) = y > 0 (the initial decay_logit)."""
     return float(y + math.log(-math.expm1(-y)))
@@ -88,15 +111,17 @@ class DilatedSpec:
     causal: bool
     merge: str
     scale: float | None  # None: D ** -0.5
+    ordering: str | None = None  # segments cut from the sequence in this order (a name of ORDERINGS)
+    grid: tuple[int, ...] | None = None
 
     def attention_kwargs(self) -> dict:
         """The keyword arguments of `dilated_attention` (implementation and config aside)."""
         return dict(segment_lengths=self.segment_lengths, dilation_rates=self.dilation_rates, causal=self.causal,
-                    merge=self.merge, scale=self.scale)
+                    merge=self.merge, scale=self.scale, ordering=self.ordering, grid=self.grid)
 
 
 def check_dilated_args(segment_lengths, dilation_rates, *, causal=False, merge="lse", scale=None,
-                       num_heads=None, dropout_rate=0.0) -> DilatedSpec:
+                       num_heads=None, dropout_rate=0.0, ordering=None, grid=None) -> DilatedSpec:
     """Validate a dilated configuration -> `DilatedSpec`. With num_heads (a multi-head layer) the
     head count is checked against merge="head_groups" too; without (`DilatedAttention`, whose
     heads come with q) `dilated_attention` checks it at the call. dropout_rate must stay 0:
@@ -119,7 +144,8 @@ def check_dilated_args(segment_lengths, dilation_rates, *, causal=False, merge="
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)
                               or not 0 < scale < math.inf):
         raise ValueError(f"scale must be a finite float > 0 or None (D ** -0.5), got scale={scale!r}")
-    return DilatedSpec(lengths, rates, bool(causal), merge, None if scale is None else float(scale))
+    ordering, grid = check_ordering_args(ordering, grid)
+    return DilatedSpec(lengths, rates, bool(causal), merge, None if scale is None else float(scale), ordering, grid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +171,8 @@ class LayerSpec:
     out_features: int
     width_name: str  # what the layer calls its input width: "d_model" or "in_features"
     dropout_rate: float = 0.0  # attention dropout in training (attention="softmax" only)
+    ordering: str | None = None  # the tokens' space-filling-curve order (softmax, dilated)
+    grid: tuple[int, ...] | None = None  # its token grid (None: the near-square default)
 
     @property
     def rope_outside_kernel(self) -> bool:
@@ -192,7 +220,8 @@ class LayerSpec:
         kwargs = dict(rope=self.rope, positions=positions) if self.position == "rope" else {}
         if self.attention == "stick_breaking":
             return dict(kwargs, decay=self.decay if decay is None else decay)
-        return dict(kwargs, causal=self.causal, window=self.window, softcap=self.softcap, segment_ids=segment_ids)
+        return dict(kwargs, causal=self.causal, window=self.window, softcap=self.softcap, segment_ids=segment_ids,
+                    ordering=self.ordering, grid=self.grid)
 
 
 def check_positions_shape(shape, batch: int, length: int) -> None:
@@ -203,14 +232,14 @@ def check_positions_shape(shape, batch: int, length: int) -> None:
 def check_layer_args(d_model, num_heads, num_kv_heads=None, *, attention="softmax", position="none",
                      rope=Rope(), causal=False, window=None, softcap=None, decay=0.0,
                      learn_decay=False, segment_lengths=None, dilation_rates=None, merge="lse",
-                     dropout_rate=0.0) -> LayerSpec:
+                     dropout_rate=0.0, ordering=None, grid=None) -> LayerSpec:
     """Validate a self-attention layer's arguments (with the layers' defaults); -> the `LayerSpec`.
     Where position != "rope", rope must be the default `Rope()` or None."""
     d_model = positive_int("d_model", d_model)
     return _check(d_model, d_model, d_model, num_heads, num_kv_heads, ("d_model", "d_model"), attention=attention,
                   position=position, rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
                   learn_decay=learn_decay, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-                  merge=merge, dropout_rate=dropout_rate)
+                  merge=merge, dropout_rate=dropout_rate, ordering=ordering, grid=grid)
 
 
 def check_multihead_args(num_heads, in_features, qkv_features=None, out_features=None, num_kv_heads=None,
@@ -232,7 +261,8 @@ def _is_neutral(value, neutral) -> bool:
 
 def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, *, attention="softmax",
            position="none", rope=Rope(), causal=False, window=None, softcap=None, decay=0.0, learn_decay=False,
-           segment_lengths=None, dilation_rates=None, merge="lse", dropout_rate=0.0) -> LayerSpec:
+           segment_lengths=None, dilation_rates=None, merge="lse", dropout_rate=0.0, ordering=None,
+           grid=None) -> LayerSpec:
     """names: what the caller calls (the input width, the q width)."""
     width_name, qkv_name = names
     num_heads = positive_int("num_heads", num_heads)
@@ -259,9 +289,10 @@ def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, 
     if not isinstance(decay, numbers.Real) or isinstance(decay, bool) or not 0 <= decay < math.inf:
         raise ValueError(f"decay must be a finite float >= 0, got decay={decay!r}")
     check_dropout_rate(dropout_rate)
+    ordering, grid = check_ordering_args(ordering, grid)
     given = dict(window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
                  segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
-                 dropout_rate=dropout_rate)
+                 dropout_rate=dropout_rate, ordering=ordering, grid=grid)
     unused = [f"{name}={given[name]!r}" for name, neutral in UNUSED_BY[attention].items()
               if not _is_neutral(given[name], neutral)]
     if unused:
@@ -275,7 +306,8 @@ def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, 
     dilated = None
     if attention == "dilated":
         dilated = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge,
-                                     num_heads=num_heads)
+                                     num_heads=num_heads, ordering=ordering, grid=grid)
     return LayerSpec(d_model, num_heads, num_kv_heads, head_dim, attention, position,
                      rope if position == "rope" else None, bool(causal), window, softcap, float(decay),
-                     bool(learn_decay), dilated, qkv_features, out_features, width_name, float(dropout_rate))
+                     bool(learn_decay), dilated, qkv_features, out_features, width_name, float(dropout_rate),
+                     ordering, grid)

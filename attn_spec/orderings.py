@@ -303,3 +303,44 @@ def _hilbert(grid: tuple[int, ...]) -> np.ndarray:
 
 
 _GRID_WALKS = {"hilbert": _hilbert, "zorder": _zorder, "snake": _snake}
+
+
+# --- the `ordering=` argument of the attention functions --------------------------------------
+
+def check_ordering(ordering, grid, n: int, shape=None, is_integer: bool = True, values=None):
+    """Validates an `ordering=` argument (with its `grid=`) for a sequence of n tokens.
+
+    ordering: None, a name of `ORDERINGS` (with an optional grid), or a permutation array given by
+    its `shape`, whether its dtype is an integer one, and its `values` as a NumPy array when they
+    are concrete (None while traced under jit: then it is taken as given). -> None where the
+    ordering is the identity (no effect), "array" for a given array, else the cached int32
+    permutation of the name."""
+    if ordering is None:
+        if grid is not None:
+            raise ValueError(f"grid={grid!r} is given without an ordering (pass ordering='hilbert', ...)")
+        return None
+    if isinstance(ordering, str):
+        if ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {ORDERINGS} or a permutation array, got {ordering!r}")
+        if grid is not None:
+            g = _check_grid(ordering, n, grid)
+            if math.prod(g) != n:
+                raise ValueError(f"grid {g} has {math.prod(g)} cells but the sequence has {n} tokens: "
+                                 f"a token grid must hold exactly the sequence")
+        perm = permutation(ordering, n, grid)
+        return None if ordering == "identity" else perm
+    if grid is not None:
+        raise ValueError(f"grid={grid!r} applies to a named ordering, not to a permutation array")
+    if shape is None:
+        raise TypeError(f"ordering must be a name of {ORDERINGS} or a 1-D integer array, got "
+                        f"{type(ordering).__name__}")
+    if tuple(shape) != (n,) or not is_integer:
+        raise ValueError(f"ordering: a permutation array must be 1-D integer of length {n} (the sequence), "
+                         f"got shape {tuple(shape)}{'' if is_integer else ' and a non-integer dtype'}")
+    if values is not None:
+        values = np.asarray(values)
+        if n and (values.min() < 0 or values.max() >= n or np.bincount(values, minlength=n).max() != 1):
+            raise ValueError(f"ordering: the array is not a permutation of [0, {n})")
+        if np.array_equal(values, np.arange(n)):
+            return None
+    return "array"

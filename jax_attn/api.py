@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from attn_spec import dilation, varlen
-from jax_attn import registry
+from jax_attn import orderings, registry
 from jax_attn.ops.common import validation
 from jax_attn.ops.common.rope import Rope, apply_rope
 from jax_attn.ops.ring import dilated as ring_dilated
@@ -23,7 +23,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
                     segment_ids=None, window: tuple[int, int] | None = None,
                     softcap: float | None = None, rope: Rope | None = None, positions=None,
                     q_offset: int = 0, kv_offset: int = 0, alibi_slopes=None, dropout_rate: float = 0.0,
-                    dropout_key=None, return_lse: bool = False, implementation: str | None = None, config=None):
+                    dropout_key=None, ordering=None, grid=None, return_lse: bool = False,
+                    implementation: str | None = None, config=None):
     """Multi-head attention, `softmax(scale * q k^T + mask) v`, FlashAttention-style.
 
     Args:
@@ -56,6 +57,27 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         the seed (another key's draw two). torch_ref's `dropout_seed=s` gives the mask of the words
         (s >> 32, s & 0xffffffff): `jax.random.wrap_key_data` of them, or `jax.random.key(s)` for
         s < 2**32 (s < 2**63 under jax_enable_x64; without it key(s) keeps the low 32 bits).
+      ordering: a space-filling-curve ordering of the tokens (Sq == Sk): a name of
+        `jax_attn.orderings.ORDERINGS` ("hilbert", "zorder", "gray", "bit_reversal", "snake",
+        "identity") laid over `grid`, or a permutation pi int [S] (position t of the ordered
+        sequence holds token pi[t]). Ordered attention is
+        `unpermute(attention(permute(q), permute(k), permute(v)))`: the window is laid on the
+        ordered sequence (a 1-D window over a Hilbert-ordered patch grid is a compact 2-D
+        neighbourhood), while causality and segment ids keep meaning the original positions and
+        tokens; out and lse come back in the original order. Without a window an ordering changes
+        nothing (softmax attention is permutation-equivariant, and causality and ids follow the
+        tokens), so such a call runs as if no ordering were given, on any implementation. With a
+        window the Triton kernels gather every tile's rows through pi and scatter out, lse and
+        the gradients back (no permuted copy of q, k, v, o or a gradient); window tiles are
+        still skipped, causal ones cannot be (causality on original positions cuts through
+        every tile of the ordered sequence). "mosaic" cannot serve it (its TMA loads read
+        contiguous boxes; NotImplementedError), so implementation=None picks "triton"; "xla"
+        runs the explicit composite. Not combined with rope, alibi_slopes, dropout or offsets
+        (NotImplementedError). A traced permutation array is taken as given; a concrete one must
+        be a permutation of [0, S) (ValueError).
+      grid: the token grid of a named ordering: (rows, cols), or (depth, rows, cols) for "hilbert"
+        and "zorder", holding exactly S tokens (row-major); None: the near-square
+        `default_grid(S)`.
       return_lse: also return lse [B, Hq, Sq] float32 (natural log; -inf on rows with no
         visible key). The lse output is differentiable.
       implementation: None (the rule of `jax_attn.registry.choose`: "xla" where Pallas Triton
@@ -94,16 +116,28 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
     scale = validation.check_positive("scale", scale)
     slopes = validation.check_slopes(alibi_slopes, q.shape[2], q.dtype)
     rate, seed = validation.check_dropout(dropout_rate, dropout_key)
+    order = None
+    if ordering is not None or grid is not None:
+        if q_len != kv_len:
+            raise ValueError(f"ordering permutes one sequence for q and k: Sq == Sk needed, got {q.shape=} and "
+                             f"{k.shape=}")
+        order = orderings.resolve(ordering, grid, q_len)
+        if left is None and right is None:  # no locality pattern: the ordering changes nothing
+            order = None
+        if order is not None and (rope is not None or slopes is not None or rate or q_offset or kv_offset):
+            raise NotImplementedError("ordering with a window does not combine with rope, alibi_slopes, dropout "
+                                      "or q_offset/kv_offset")
     spec = AttentionSpec(
         scale=head_dim ** -0.5 if scale is None else scale,
         causal=bool(causal), window_left=left, window_right=right, softcap=softcap,
         has_segments=q_ids is not None, precision=validation.fp32_precision(q.dtype), rope=rope, offset=offset,
-        alibi=slopes is not None, dropout=rate)
+        alibi=slopes is not None, dropout=rate, ordered=order is not None)
     call = registry.Call(spec, head_dim, q.dtype, positions=q_pos is not None)
     entry = registry.resolve("softmax", implementation, call)
     config = registry.check_config(entry, config, call)
+    extra = {} if order is None else {"order": order}
     out, lse = entry.fn(q, k, v, q_ids, kv_ids, spec, q_pos=q_pos, kv_pos=kv_pos, slopes=slopes, seed=seed,
-                        config=config)
+                        config=config, **extra)
     return (out, lse) if return_lse else out
 
 
@@ -182,8 +216,8 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
 
 
 def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool = False, merge: str = "lse",
-                      scale: float | None = None, return_lse: bool = False, implementation: str | None = None,
-                      config=None):
+                      scale: float | None = None, ordering=None, grid=None, return_lse: bool = False,
+                      implementation: str | None = None, config=None):
     """Dilated attention (LongNet, arXiv 2307.02486).
 
     Branch k cuts the sequence into segments of segment_lengths[k] (the last one may be partial)
@@ -202,6 +236,13 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
         equal groups (H % K == 0), group k runs branch k alone with offset k mod r_k. A row no
         branch keeps returns 0 (lse -inf), never NaN.
       scale: score scale, default D ** -0.5.
+      ordering, grid: a space-filling-curve ordering of the tokens, as for `flash_attention`: the
+        segments and their dilation are laid on the ORDERED sequence (segment k of a
+        Hilbert-ordered patch grid is a compact 2-D region), causality keeps comparing the
+        original positions, out and lse come back in the original order. The Triton kernels
+        gather each branch's rows through the permutation (no view or permuted copy of q, k,
+        v); "mosaic" cannot serve it (NotImplementedError; None picks "triton"); "xla" runs the
+        explicit composite. The identity ordering is no ordering.
       return_lse: also return lse [B, H, S] float32 (natural log, the merged statistic).
       implementation: None (as `flash_attention`: "mosaic" where the Hopper kernels serve the
         call, else "triton" where Pallas Triton runs, else "xla"), "triton" (every branch one
@@ -221,12 +262,15 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
                          f"{q.shape=} and {k.shape=}")
     lengths, rates = dilation.check_config(segment_lengths, dilation_rates, merge, num_heads)
     scale = validation.check_positive("scale", scale)
+    order = orderings.resolve(ordering, grid, seq_len)
     spec = AttentionSpec(scale=head_dim ** -0.5 if scale is None else scale, causal=bool(causal),
-                         precision=validation.fp32_precision(q.dtype))
+                         precision=validation.fp32_precision(q.dtype), ordered=order is not None)
     call = registry.Call(spec, head_dim, q.dtype)
     entry = registry.resolve("dilated", implementation, call)
     config = registry.check_config(entry, config, call)
-    out, lse = entry.fn(q, k, v, spec, segment_lengths=lengths, dilation_rates=rates, merge=merge, config=config)
+    extra = {} if order is None else {"order": order}
+    out, lse = entry.fn(q, k, v, spec, segment_lengths=lengths, dilation_rates=rates, merge=merge, config=config,
+                        **extra)
     return (out, lse) if return_lse else out
 
 

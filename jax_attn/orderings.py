@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attn_spec import orderings
 from attn_spec.orderings import ORDERINGS, default_grid
 
-__all__ = ["ORDERINGS", "default_grid", "inverse", "permutation", "permute", "unpermute"]
+__all__ = ["ORDERINGS", "default_grid", "inverse", "permutation", "permute", "resolve", "unpermute"]
 
 
 def permutation(name: str, n: int, grid=None) -> jax.Array:
@@ -53,3 +54,23 @@ def unpermute(x: jax.Array, perm: jax.Array, axis: int = 1) -> jax.Array:
     """Back to the original positions, the inverse of `permute`: out[perm[t]] = x[t]."""
     perm = jnp.asarray(perm)
     return jnp.take(x, inverse(perm), axis=_check(x, perm, axis))
+
+
+def resolve(ordering, grid, n: int):
+    """The `ordering=` / `grid=` arguments of the attention functions for a sequence of n tokens
+    (`attn_spec.orderings.check_ordering`) -> None where the ordering has no effect (none, or the
+    identity) or the permutation, int32 [n]. A permutation array is checked where its values are
+    known (under jit a traced array is taken as given)."""
+    if ordering is None or isinstance(ordering, str):
+        perm = orderings.check_ordering(ordering, grid, n)
+        return None if perm is None else jnp.asarray(perm)
+    if isinstance(ordering, (list, tuple)):
+        ordering = np.asarray(ordering)
+    shape, dtype = getattr(ordering, "shape", None), getattr(ordering, "dtype", None)
+    is_int = dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+    try:
+        values = np.asarray(ordering) if shape is not None else None
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None
+    kind = orderings.check_ordering(ordering, grid, n, shape, is_int, values if is_int else None)
+    return None if kind is None else jnp.asarray(ordering).astype(jnp.int32)

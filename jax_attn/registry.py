@@ -25,6 +25,7 @@ from jax_attn.device import pallas_triton_unsupported_reason
 from jax_attn.ops.common.spec import AttentionSpec, padded_head_dim
 from jax_attn.ops.dilated import reference as dilated_reference
 from jax_attn.ops.dilated import triton as dilated_triton
+from jax_attn.ops.orderings import reference as orderings_reference
 from jax_attn.ops.softmax import mosaic as softmax_mosaic
 from jax_attn.ops.softmax import reference as softmax_reference
 from jax_attn.ops.softmax import triton as softmax_triton
@@ -70,7 +71,13 @@ def _triton_reason(call: Call) -> str | None:
     return _float64_reason(call) or pallas_triton_unsupported_reason()
 
 
+_ORDERED_MOSAIC = ("an ordering gathers every tile's rows through an index vector; the Mosaic GPU kernels "
+                   "load tiles as contiguous TMA boxes (implementation='triton' gathers them)")
+
+
 def _softmax_mosaic_reason(call: Call) -> str | None:
+    if call.spec.ordered:
+        return _ORDERED_MOSAIC
     return _triton_reason(call) or softmax_mosaic.unsupported_reason(call.spec, call.head_dim, call.dtype,
                                                                      call.positions)
 
@@ -91,12 +98,12 @@ def _stick_breaking_mosaic_config_reason(config, call: Call) -> str | None:
 
 
 def _softmax_triton(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, seed=None,
-                    config=None):
+                    config=None, order=None):
     return softmax_triton.flash_attention_pallas(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos,
-                                                 slopes=slopes, seed=seed, blocks=config)
+                                                 slopes=slopes, seed=seed, blocks=config, order=order)
 
 
-def _softmax_mosaic(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, seed=None,
+def _softmax_mosaic(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, seed=None, order=None,
                     config=None):
     # the Hopper kernels (`ops/softmax/mosaic.py`), wired through the engine's padding and custom_vjp
     return softmax_triton.flash_attention_pallas(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos,
@@ -104,7 +111,9 @@ def _softmax_mosaic(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, sl
 
 
 def _softmax_xla(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, seed=None,
-                 config=None):
+                 config=None, order=None):
+    if order is not None:  # the explicit composite: permute, attend, unpermute
+        return orderings_reference.ordered_attention_reference(q, k, v, q_seg, kv_seg, spec, order)
     return softmax_reference.attention_reference(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos,
                                                  slopes=slopes, seed=seed)
 
@@ -129,19 +138,24 @@ def _stick_breaking_xla(q, k, v, decay, spec, *, pos=None, kv_pos=None, q_ids=No
                                                              q_ids=q_ids, kv_ids=kv_ids, attend_current=attend_current)
 
 
-def _dilated_triton(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None):
+def _dilated_triton(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None, order=None):
     return dilated_triton.dilated_attention_triton(q, k, v, segment_lengths=segment_lengths,
                                                    dilation_rates=dilation_rates, causal=spec.causal, merge=merge,
-                                                   scale=spec.scale, precision=spec.precision, blocks=config)
+                                                   scale=spec.scale, precision=spec.precision, blocks=config,
+                                                   order=order)
 
 
-def _dilated_mosaic(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None):
+def _dilated_mosaic(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None, order=None):
     return dilated_triton.dilated_attention_triton(q, k, v, segment_lengths=segment_lengths,
                                                    dilation_rates=dilation_rates, causal=spec.causal, merge=merge,
                                                    scale=spec.scale, precision=spec.precision, mosaic=True)
 
 
-def _dilated_xla(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None):
+def _dilated_xla(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None, order=None):
+    if order is not None:  # the explicit composite: permute, attend, unpermute
+        return orderings_reference.ordered_dilated_reference(
+            q, k, v, order, segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=spec.causal,
+            merge=merge, scale=spec.scale)
     return dilated_reference.dilated_reference(q, k, v, segment_lengths=segment_lengths,
                                                dilation_rates=dilation_rates, causal=spec.causal, merge=merge,
                                                scale=spec.scale)
@@ -185,7 +199,8 @@ def _choose(variant: str, call: Call) -> str:
     Stick-breaking: "xla" where Pallas Triton cannot run, else "triton", on Hopper too: the Mosaic
     forward walks every tile, while the Triton forward ends a row block's walk where its sticks are
     spent (see `jax_attn.stick_breaking_attention`). Dilated: as softmax ("mosaic" where the Hopper
-    kernels serve the call: 16-bit, head dims 33 to 128).
+    kernels serve the call: 16-bit, head dims 33 to 128). Ordered calls (spec.ordered, an ordering
+    with a locality pattern): "triton", the kernels that gather rows (Mosaic's reason says why).
     """
     if pallas_triton_unsupported_reason() is not None:
         return "xla"

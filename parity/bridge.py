@@ -16,7 +16,8 @@ the learned stick-breaking decay (`attention="stick_breaking", learn_decay=True`
 `MultiheadDilatedAttention` holds the projections of `MultiHeadSelfAttention` (`q_proj`, `k_proj`,
 `v_proj`, `out_proj`; nnx.Linear <-> nn.Linear, widths from in_features / qkv_features /
 out_features), so the same table covers it, and `MultiHeadSelfAttention(attention="dilated")` maps
-onto it; `DilatedAttention` has no parameters (no pairs, nothing to copy).
+onto it; so does `HilbertDilatedAttention` (a `MultiheadDilatedAttention` with a Hilbert ordering:
+the same parameters); `DilatedAttention` has no parameters (no pairs, nothing to copy).
 
 Arrays: `to_torch(x)` / `to_jax(t)` exchange through DLPack without a copy when the array and the
 destination sit on the same device (CPU <-> CPU, GPU i <-> cuda:i) and through a host copy

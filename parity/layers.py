@@ -1,7 +1,7 @@
 """Layer-level parity: `jax_attn.nn.layers` against their `torch_ref.nn.layers` twins, and a training run.
 
 Layer cases (`kind` "attention" = MultiHeadSelfAttention, "encoder" = EncoderBlock, "dilated_mha" =
-MultiheadDilatedAttention, "dilated" = DilatedAttention), for the attention kinds "softmax",
+MultiheadDilatedAttention, "hilbert_dilated" = HilbertDilatedAttention, "dilated" = DilatedAttention), for the attention kinds "softmax",
 "stick_breaking", "dilated" and the position schemes "none", "absolute", "rope":
 the Flax layer is built from the case's seed (every parameter then shifted by seeded noise, so
 biases and LayerNorm parameters are not 0/1 and a swapped copy could not go unnoticed), copied to
@@ -88,7 +88,7 @@ PARAM_NOISE = 0.1
 @dataclasses.dataclass(frozen=True)
 class LayerCase:
     name: str
-    kind: str  # "attention" | "encoder" | "train" | "dilated_mha" | "dilated"
+    kind: str  # "attention" | "encoder" | "train" | "dilated_mha" | "hilbert_dilated" | "dilated"
     position: str  # "none" | "absolute" | "rope"
     shape: tuple[int, int, int, int, int]  # batch, seq, d_model (in_features), num_heads, num_kv_heads
     attention: str = "softmax"  # "softmax" | "stick_breaking" | "dilated"
@@ -115,7 +115,7 @@ class LayerCase:
         if self.kind == "dilated":
             return dict(self.kwargs)
         kwargs = dict(num_kv_heads=self.shape[4], position=self.position, **dict(self.kwargs))
-        if self.kind != "dilated_mha":
+        if self.kind not in ("dilated_mha", "hilbert_dilated"):
             kwargs["attention"] = self.attention
         if self.position == "rope":
             kwargs["rope"] = Rope(style=self.rope_style)
@@ -147,7 +147,7 @@ class LayerCase:
         """The keyword arguments of the layer's call."""
         if self.kind == "dilated":
             return {}
-        if self.kind == "dilated_mha":
+        if self.kind in ("dilated_mha", "hilbert_dilated"):
             return dict(positions=positions)
         return dict(segment_ids=segment_ids, positions=positions)
 
@@ -196,6 +196,15 @@ LAYER_CASES: list[LayerCase] = [
           rope_style="half", kwargs=(("segment_lengths", (4, 8, 16)), ("dilation_rates", (1, 2, 4)))),
     _case("train_encoder_dilated", "train", "absolute", (4, 16, 32, 4, 2), attention="dilated",
           kwargs=(("causal", True), ("segment_lengths", (4, 16)), ("dilation_rates", (1, 2)))),
+    # space-filling-curve orderings: a window over Hilbert-ordered patches; HilbertDilatedAttention
+    _case("layer_attention_hilbert_window_causal", "attention", "none", (2, 16, 32, 4, 2),
+          kwargs=(("ordering", "hilbert"), ("grid", (4, 4)), ("window", (3, 3)), ("causal", True)), cpu_kernels=True),
+    _case("layer_hilbert_dilated_causal_gqa", "hilbert_dilated", "absolute", (2, 20, 32, 4, 2), attention="dilated",
+          kwargs=(("grid", (4, 5)), ("segment_lengths", (4, 8)), ("dilation_rates", (1, 2)), ("causal", True)),
+          cpu_kernels=True, quick=True),
+    _case("layer_dilated_zorder_head_groups", "dilated", "none", (1, 16, 32, 4, 2), attention="dilated",
+          kwargs=(("segment_lengths", (4, 8)), ("dilation_rates", (1, 2)), ("merge", "head_groups"),
+                  ("ordering", "zorder"))),
     # attention dropout (rate 0.1; one explicit seed per call in both frameworks)
     _case("layer_attention_dropout_rope_gqa", "attention", "rope", (2, 16, 32, 4, 2), dropout_rate=0.1,
           kwargs=(("causal", True),), cpu_kernels=True),
@@ -285,6 +294,9 @@ def build_flax(case: LayerCase, implementation: str, dtype: str = "float32"):
     if case.kind == "dilated_mha":
         return jl.MultiheadDilatedAttention(heads, d_model, implementation=implementation, dtype=jdt,
                                             param_dtype=jdt, rngs=rngs, **case.layer_kwargs())
+    if case.kind == "hilbert_dilated":
+        return jl.HilbertDilatedAttention(heads, d_model, implementation=implementation, dtype=jdt,
+                                          param_dtype=jdt, rngs=rngs, **case.layer_kwargs())
     if case.kind == "dilated":
         return jl.DilatedAttention(implementation=implementation, **case.layer_kwargs())
     raise ValueError(f"unknown layer case kind={case.kind!r}")
@@ -304,6 +316,9 @@ def build_torch(case: LayerCase, implementation: str, dtype: str, device):
     if case.kind == "dilated_mha":
         return tl.MultiheadDilatedAttention(heads, d_model, implementation=implementation, dtype=tdt,
                                             param_dtype=tdt, device=device, **case.layer_kwargs())
+    if case.kind == "hilbert_dilated":
+        return tl.HilbertDilatedAttention(heads, d_model, implementation=implementation, dtype=tdt,
+                                          param_dtype=tdt, device=device, **case.layer_kwargs())
     if case.kind == "dilated":
         return tl.DilatedAttention(implementation=implementation, **case.layer_kwargs())
     raise ValueError(f"unknown layer case kind={case.kind!r}")

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks on a machine with an NVIDIA GPU (no network, packages preinstalled): the GPU tests,
 # the parity check and the benchmarks, logs and JSON under $OUT (default /tmp/gpu_out).
-# Usage: bash scripts/run_gpu_checks.sh [warn|tests|parity|bench|softmax|rope|sb|dilated|sweep|all]...
+# Usage: bash scripts/run_gpu_checks.sh [warn|tests|parity|bench|softmax|rope|sb|dilated|orderings|sweep|all]...
 #   tests    pytest -m gpu, one process per test file, in parallel (compilation is CPU-bound)
 #   parity   python -m parity.check, one process per variant, in parallel
 #   bench    benchmarks/run_all.py (every benchmark, its --quick cases: run_all's default)
-#   softmax, rope, sb, dilated, sweep   one full benchmark: benchmarks/softmax.py, rope.py,
-#            stick_breaking.py, dilated.py, sweep_blocks.py (extra arguments: SOFTMAX_ARGS, SB_ARGS,
-#            DILATED_ARGS)
+#   softmax, rope, sb, dilated, orderings, sweep   one full benchmark: benchmarks/softmax.py, rope.py,
+#            stick_breaking.py, dilated.py, orderings.py, sweep_blocks.py (extra arguments: SOFTMAX_ARGS,
+#            SB_ARGS, DILATED_ARGS, ORDERINGS_ARGS)
 #   ring     benchmarks/ring.py on every visible GPU (RING_ARGS, e.g. --quick; only when named: it
 #            wants several GPUs)
 set -uo pipefail
@@ -65,6 +65,9 @@ if has dilated; then
 fi
 if [[ " $stages " == *" ring "* ]]; then
   timeout ${RING_TIMEOUT:-600} python3 benchmarks/ring.py --out "$OUT" ${RING_ARGS:-} 2>&1 | tee "$OUT/ring-log.txt" | tail -30
+fi
+if has orderings; then
+  timeout ${ORDERINGS_TIMEOUT:-600} python3 benchmarks/orderings.py --out "$OUT" ${ORDERINGS_ARGS:-} 2>&1 | tee "$OUT/orderings-log.txt" | tail -40
 fi
 if has sweep; then
   timeout ${SWEEP_TIMEOUT:-400} python3 benchmarks/sweep_blocks.py --out "$OUT" 2>&1 | tee "$OUT/sweep-log.txt" | tail -20

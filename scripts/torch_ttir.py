@@ -5,6 +5,7 @@ scripts/trace_kernels.py.
 
   python scripts/torch_ttir.py OUT_DIR           (then: diff -r BEFORE_DIR OUT_DIR)
   python scripts/torch_ttir.py OUT_DIR --dropout (the dropout kernels too: they compile)
+  python scripts/torch_ttir.py OUT_DIR --orderings (+ the ordered kernels: rows gathered through a permutation)
   python scripts/torch_ttir.py OUT_DIR --stick-breaking          (+ the stick-breaking kernels)
   python scripts/torch_ttir.py OUT_DIR --stick-breaking-options  (+ those with attend_current,
                                                                   Sq < Sk, segment ids: they compile)
@@ -109,6 +110,14 @@ def main():
         run("rowmap_rate2", Hq=8, Hkv=4, dtype=dt, row_map=RowMap(rate=2, heads=4, kv_heads=2), grid_heads=4)
         run("rowmap_fixed_causal", Hq=8, Hkv=4, dtype=dt, causal=True,
             row_map=RowMap(rate=2, heads=4, kv_heads=2, offset=1), grid_heads=4)
+    if "--orderings" in sys.argv:  # rows gathered through an ordering (flash: scattered back; row map: compact)
+        for dt in (torch.float16, torch.float32):
+            orig = torch.randperm(100).to(torch.int32)[None].expand(2, 100)
+            run("ordered_window_causal", dtype=dt, causal=True, window=(16, 0), gather=(orig, True, 1))
+            run("ordered_window_segments", dtype=dt, window=(8, 8), segments=True, gather=(orig, True, 1))
+            rows = torch.randint(0, 100, (2 * 4 * 2, 25), dtype=torch.int32)  # B' = 2 * 4 segments, rate 2
+            run("ordered_rowmap_causal", Hq=4, Hkv=2, Sq=100, Sk=100, dtype=dt, causal=True,
+                row_map=RowMap(rate=2, heads=4, kv_heads=2), grid_heads=4, gather=(rows, False, 4))
     if "--dropout" in sys.argv:
         for dt in (torch.float16, torch.bfloat16, torch.float32):
             run("dropout_dense", dtype=dt, dropout=(0.1, (5, 2 ** 32 - 1)))

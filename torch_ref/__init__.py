@@ -20,7 +20,7 @@ be set afterwards; the first Triton call (or touching one of the config names ab
 from .api import (dilated_attention, flash_attention, flash_attention_reference, flash_attention_varlen,
                   stick_breaking_attention, stick_breaking_attention_varlen, stick_breaking_reference)
 from .nn.layers import EncoderBlock, MultiHeadSelfAttention
-from .nn.layers import DilatedAttention, MultiheadDilatedAttention
+from .nn.layers import DilatedAttention, HilbertDilatedAttention, MultiheadDilatedAttention
 from .nn.positions import sinusoidal_positions
 from .ops.common.rope import Rope, apply_rope
 from .registry import IMPLEMENTATIONS, UnknownImplementationError, resolve_implementation
@@ -30,7 +30,7 @@ __all__ = ["flash_attention", "flash_attention_reference", "flash_attention_varl
            "BlockSizes", "default_block_sizes",
            "IMPLEMENTATIONS", "resolve_implementation", "UnknownImplementationError", "EncoderBlock",
            "MultiHeadSelfAttention", "sinusoidal_positions", "stick_breaking_attention", "stick_breaking_reference",
-           "stick_breaking_attention_varlen", "DilatedAttention", "MultiheadDilatedAttention",
+           "stick_breaking_attention_varlen", "DilatedAttention", "MultiheadDilatedAttention", "HilbertDilatedAttention",
            "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "dilated_attention", "orderings"]
 
 

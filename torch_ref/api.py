@@ -18,7 +18,7 @@ import torch
 
 from attn_spec import varlen
 
-from . import registry
+from . import orderings, registry
 from .ops.common.validation import (validate, validate_alibi, validate_dilated, validate_dropout, validate_offsets,
                                     validate_rope, validate_stick_breaking)
 from .ops.softmax import reference as softmax_ref
@@ -33,7 +33,8 @@ __all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_atten
 # ----------------------------------------------------------------------------------------------
 def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
                     rope=None, positions=None, q_offset=0, kv_offset=0, alibi_slopes=None, dropout_rate=0.0,
-                    dropout_seed=None, generator=None, return_lse=False, implementation=None, config=None):
+                    dropout_seed=None, generator=None, ordering=None, grid=None, return_lse=False, implementation=None,
+                    config=None):
     """Scaled dot-product attention, FlashAttention-style.
 
     Args:
@@ -72,6 +73,19 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
         jax_enable_x64 s < 2**63) or of `jax.random.wrap_key_data` of its words (s >> 32, s & 0xffffffff).
       generator: a `torch.Generator` to draw the seed from instead of the default one (on its own
         device: a CUDA generator costs a device sync); not with dropout_seed.
+      ordering: a space-filling-curve ordering of the tokens (Sq == Sk), as
+        `jax_attn.flash_attention`'s: a name of `torch_ref.orderings.ORDERINGS` laid over `grid`,
+        or a permutation pi (int tensor or array [S]: position t of the ordered sequence holds
+        token pi[t]; checked on the host). `unpermute(attention(permute(q), permute(k),
+        permute(v)))`: the window on the ordered sequence, causality and segment ids on the
+        original positions and tokens; out, lse, gradients in the original order. Without a
+        window it changes nothing (softmax attention is permutation-equivariant) and the call runs
+        as without it. With a window the Triton kernels gather every tile's rows through pi and
+        store the results at those rows (no permuted copies); window tiles are skipped, causal
+        ones cannot be. "eager" runs the explicit composite. Not with rope, alibi_slopes, dropout
+        or offsets (NotImplementedError).
+      grid: the token grid of a named ordering, (rows, cols) or (depth, rows, cols), holding
+        exactly S tokens; None: `orderings.default_grid(S)`.
       return_lse: also return lse `[B, Hq, Sq]`, lse_i = log sum_{visible j} exp(s_ij) (natural log;
         float32, float64 for float64 eager). A row with no visible key gets out 0, lse -inf and
         zero gradients.
@@ -96,13 +110,26 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
     causal, window = validate_offsets(causal, window, q_offset, kv_offset, q.shape[1], k.shape[1])
     alibi = validate_alibi(alibi_slopes, q, q_offset, kv_offset)
     q_pos, kv_pos = validate_rope(q, k, rope, positions, q_offset, kv_offset)
+    order = None
+    if ordering is not None or grid is not None:
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(f"ordering permutes one sequence for q and k: Sq == Sk needed, got "
+                             f"q.shape={tuple(q.shape)} and k.shape={tuple(k.shape)}")
+        order = orderings.resolve(ordering, grid, q.shape[1], q.device)
+        if window is None:  # no locality pattern: the ordering changes nothing
+            order = None
+        if order is not None and (rope is not None or alibi_slopes is not None or dropout_rate or q_offset
+                                  or kv_offset):
+            raise NotImplementedError("ordering with a window does not combine with rope, alibi_slopes, dropout "
+                                      "or q_offset/kv_offset")
     call = registry.Call.of(q)
     entry = registry.resolve("softmax", implementation, call)
     config = registry.check_config(entry, config, call)
     dropout = validate_dropout(dropout_rate, dropout_seed, generator)  # last: a drawn seed advances the generator
+    extra = {} if order is None else {"order": order}
     out, lse = entry.fn(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
                         softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos, config=config, alibi=alibi,
-                        dropout=dropout)
+                        dropout=dropout, **extra)
     return (out, lse) if return_lse else out
 
 
@@ -198,7 +225,7 @@ def stick_breaking_reference(q, k, v, *, scale=None, decay=0.0, attend_current=F
 # Dilated attention (LongNet)
 # ----------------------------------------------------------------------------------------------
 def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal=False, merge="lse", scale=None,
-                      return_lse=False, implementation=None, config=None):
+                      ordering=None, grid=None, return_lse=False, implementation=None, config=None):
     """Dilated attention (LongNet, arXiv 2307.02486; docs/design/dilated.md), self-attention.
 
     Branch k cuts the sequence into segments of `segment_lengths[k]` (the last may be partial; a
@@ -218,6 +245,11 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal=False,
         multiple of the branch count), group k runs branch k alone with offset k mod r_k.
         A row no branch keeps gets out 0, lse -inf and zero gradients.
       scale: score multiplier, default D ** -0.5.
+      ordering, grid: a space-filling-curve ordering, as for `flash_attention`: the segments and
+        their dilation are laid on the ORDERED sequence, causality on the original positions;
+        out, lse, gradients in the original order. The Triton kernels gather each branch's rows
+        through the permutation and the merge kernels read the branches' compact rows through
+        its inverse (no permuted copies); "eager" runs the explicit composite.
       return_lse: also return lse `[B, Hq, S]` (the merged log-sum-exp; float32, float64 for
         float64 eager); differentiable.
       implementation: None, "triton" or "eager", with the rule of `torch_ref.flash_attention`:
@@ -229,11 +261,13 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal=False,
     Returns: out `[B, S, Hq, D]`, or (out, lse) when return_lse.
     """
     scale, lengths, rates = validate_dilated(q, k, v, causal, scale, segment_lengths, dilation_rates, merge)
+    order = orderings.resolve(ordering, grid, q.shape[1], q.device)
     call = registry.Call.of(q)
     entry = registry.resolve("dilated", implementation, call)
     config = registry.check_config(entry, config, call)
+    extra = {} if order is None else {"order": order}
     out, lse = entry.fn(q, k, v, segment_lengths=lengths, dilation_rates=rates, causal=causal, merge=merge,
-                        scale=scale, config=config)
+                        scale=scale, config=config, **extra)
     return (out, lse) if return_lse else out
 
 

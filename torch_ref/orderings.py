@@ -10,7 +10,7 @@ import torch
 from attn_spec import orderings
 from attn_spec.orderings import ORDERINGS, default_grid
 
-__all__ = ["ORDERINGS", "default_grid", "inverse", "permutation", "permute", "unpermute"]
+__all__ = ["ORDERINGS", "default_grid", "inverse", "permutation", "permute", "resolve", "unpermute"]
 
 
 def permutation(name: str, n: int, grid=None, device=None) -> torch.Tensor:
@@ -49,3 +49,25 @@ def permute(x: torch.Tensor, perm: torch.Tensor, axis: int = 1) -> torch.Tensor:
 def unpermute(x: torch.Tensor, perm: torch.Tensor, axis: int = 1) -> torch.Tensor:
     """Back to the original positions, the inverse of `permute`: out[perm[t]] = x[t]."""
     return x.index_select(_check(x, perm, axis), inverse(perm.to(x.device)))
+
+
+def resolve(ordering, grid, n: int, device=None):
+    """The `ordering=` / `grid=` arguments of the attention functions for a sequence of n tokens
+    (`attn_spec.orderings.check_ordering`) -> None where the ordering has no effect (none, or the
+    identity) or the permutation, int64 [n] on `device`. A tensor is checked on the host (one
+    copy of n ints)."""
+    if ordering is None or isinstance(ordering, str):
+        perm = orderings.check_ordering(ordering, grid, n)
+        return None if perm is None else torch.as_tensor(perm.astype(np.int64), device=device)
+    if isinstance(ordering, (list, tuple)):
+        ordering = np.asarray(ordering)
+    if isinstance(ordering, torch.Tensor):
+        is_int = not ordering.dtype.is_floating_point and not ordering.dtype.is_complex and ordering.dtype != torch.bool
+        values = ordering.detach().cpu().numpy() if is_int else None
+    elif isinstance(ordering, np.ndarray):
+        is_int = np.issubdtype(ordering.dtype, np.integer)
+        values = ordering if is_int else None
+    else:
+        is_int, values = False, None
+    kind = orderings.check_ordering(ordering, grid, n, getattr(ordering, "shape", None), is_int, values)
+    return None if kind is None else torch.as_tensor(np.asarray(values, np.int64), device=device)

@@ -31,6 +31,7 @@ from attn_spec.registry import Entry, Registry, UnknownImplementationError
 
 from .ops.common.validation import segment_pair_for_kernel
 from .ops.dilated import reference as dilated_ref
+from .ops.orderings import reference as orderings_ref
 from .ops.softmax import reference as softmax_ref
 from .ops.stick_breaking import reference as stick_breaking_ref
 
@@ -98,17 +99,25 @@ def _triton_default_config(variant: str, call: Call):
 
 
 def _softmax_eager(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, rope, q_pos, kv_pos, config=None,
-                   alibi=None, dropout=None):
+                   alibi=None, dropout=None, order=None):
+    if order is not None:  # the explicit composite: permute, attend, unpermute
+        return orderings_ref.attention(q, k, v, order, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
+                                       window=window, softcap=softcap)
     return softmax_ref.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
                                  softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos, alibi=alibi, dropout=dropout)
 
 
 def _softmax_triton(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, rope, q_pos, kv_pos, config=None,
-                    alibi=None, dropout=None):
+                    alibi=None, dropout=None, order=None):
     q_ids, kv_ids = segment_pair_for_kernel(q_ids, kv_ids)
     q_pos, kv_pos = segment_pair_for_kernel(q_pos, kv_pos)
+    gather = None
+    if order is not None:  # the kernels gather rows at order[t] and store there; ids per ordered position
+        if q_ids is not None:
+            q_ids, kv_ids = (x.index_select(1, order).contiguous() for x in (q_ids, kv_ids))
+        gather = (order.to(torch.int32)[None].expand(q.shape[0], -1), True, 1)
     return _kernels("softmax").FlashAttentionFn.apply(q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope,
-                                                     q_pos, kv_pos, config, alibi, dropout)
+                                                     q_pos, kv_pos, config, alibi, dropout, gather)
 
 
 def _stick_breaking_eager(q, k, v, *, scale, decay, rope, q_pos, kv_pos, attend_current=False, q_ids=None,
@@ -126,15 +135,18 @@ def _stick_breaking_triton(q, k, v, *, scale, decay, rope, q_pos, kv_pos, attend
                                                            config, attend_current, q_ids, kv_ids)
 
 
-def _dilated_eager(q, k, v, *, segment_lengths, dilation_rates, causal, merge, scale, config=None):
+def _dilated_eager(q, k, v, *, segment_lengths, dilation_rates, causal, merge, scale, config=None, order=None):
+    if order is not None:  # the explicit composite: permute, attend, unpermute
+        return orderings_ref.dilated_attention(q, k, v, order, segment_lengths=segment_lengths,
+                                               dilation_rates=dilation_rates, causal=causal, merge=merge, scale=scale)
     return dilated_ref.attention(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
                                  causal=causal, merge=merge, scale=scale)
 
 
-def _dilated_triton(q, k, v, *, segment_lengths, dilation_rates, causal, merge, scale, config=None):
+def _dilated_triton(q, k, v, *, segment_lengths, dilation_rates, causal, merge, scale, config=None, order=None):
     return _kernels("dilated").dilated_attention_triton(q, k, v, segment_lengths=segment_lengths,
                                                         dilation_rates=dilation_rates, causal=causal, merge=merge,
-                                                        scale=scale, config=config)
+                                                        scale=scale, config=config, order=order)
 
 
 def _triton_entry(variant: str, fn: Callable) -> Entry:

@@ -7,6 +7,8 @@
 * `MultiheadDilatedAttention`: the projections of `MultiHeadSelfAttention` (same names) around
   `dilated_attention`, with `flax.nnx.MultiHeadAttention`'s arguments (num_heads, in_features,
   qkv_features, out_features, num_kv_heads; called on inputs_q[, inputs_k, inputs_v]).
+* `HilbertDilatedAttention`: `MultiheadDilatedAttention` on Hilbert-ordered tokens (the segments
+  cut from the Hilbert order over a token grid, so each is a compact 2-D patch region).
 * `EncoderBlock`: BERT-style post-LN block, x = LN(x + attn(x)); x = LN(x + MLP(x)), MLP =
   Linear(d_model, d_ff) -> GELU (tanh approximation) -> Linear(d_ff, d_model).
 * `make_attention_fn` / `attention_fn`: run `flax.nnx.MultiHeadAttention(attention_fn=...)` on the
@@ -65,6 +67,11 @@ class MultiHeadSelfAttention(nnx.Module):
         (a per-head `decay_logit` parameter, softplus(decay_logit) starts at decay > 0).
       segment_lengths, dilation_rates, merge: the configuration of attention="dilated" (see
         `dilated_attention`; merge "lse" or "head_groups").
+      ordering, grid: a space-filling-curve ordering of the tokens (a name of
+        `jax_attn.orderings.ORDERINGS`) over a token grid (rows, cols) or (depth, rows, cols)
+        holding the sequence (None: the near-square default): the window / dilated segments are
+        laid on the ordered sequence, causality and segment ids keep the original order
+        (`flash_attention`'s ordering=; attention="softmax" or "dilated").
       dropout_rate: attention dropout in [0, 1) (attention="softmax" only), applied unless
         deterministic.
       deterministic: None, True (no dropout) or False (dropout); the call's argument wins.
@@ -83,12 +90,14 @@ class MultiHeadSelfAttention(nnx.Module):
                  causal: bool = False, window: tuple[int, int] | None = None,
                  softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
                  segment_lengths=None, dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0,
-                 deterministic: bool | None = None, implementation: str | None = None, use_bias: bool = True,
+                 ordering: str | None = None, grid=None, deterministic: bool | None = None,
+                 implementation: str | None = None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
                                      rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
                                      learn_decay=learn_decay, segment_lengths=segment_lengths,
-                                     dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate)
+                                     dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate,
+                                     ordering=ordering, grid=grid)
         self.implementation, self.dtype = implementation, dtype
         self.dropout_rate, self.deterministic = self.spec.dropout_rate, deterministic
         _add_projections(self, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -183,16 +192,17 @@ class DilatedAttention(nnx.Module):
     the configuration given here.
 
     Args: segment_lengths, dilation_rates (one entry per branch), causal, merge ("lse" |
-    "head_groups"), scale (default D ** -0.5), implementation and config: those of
+    "head_groups"), scale (default D ** -0.5), ordering and grid (a space-filling-curve order of
+    the tokens, the segments cut from it), implementation and config: those of
     `jax_attn.dilated_attention`, checked here (the head count against merge="head_groups" at
     the call, where q brings it). dropout_rate: must stay 0.0 (dilated attention has no dropout).
     """
 
     def __init__(self, segment_lengths, dilation_rates, *, causal: bool = False, merge: str = "lse",
-                 scale: float | None = None, implementation: str | None = None, config=None,
-                 dropout_rate: float = 0.0):
+                 scale: float | None = None, ordering: str | None = None, grid=None,
+                 implementation: str | None = None, config=None, dropout_rate: float = 0.0):
         self.spec = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge, scale=scale,
-                                       dropout_rate=dropout_rate)
+                                       dropout_rate=dropout_rate, ordering=ordering, grid=grid)
         self.implementation, self.config = implementation, config
 
     def __call__(self, q, k, v, *, return_lse: bool = False):
@@ -213,6 +223,8 @@ class MultiheadDilatedAttention(nnx.Module):
         `dilated_attention`; merge="head_groups" needs num_heads a multiple of the branch count).
       position: "none" | "absolute" (sinusoidal table added to the inputs) | "rope" (q and k
         rotated by `rope` before the attention: the dilated kernels have no fused RoPE).
+      ordering, grid: the segments cut from the tokens in a space-filling-curve order over a
+        token grid (`dilated_attention`'s ordering=; positions stay the original ones).
       implementation, config: passed to `dilated_attention` unchanged.
       use_bias, dtype (compute), param_dtype, rngs: as in `MultiHeadSelfAttention`.
       dropout_rate: must stay 0.0 (nnx.MultiHeadAttention's argument; dilated attention has no
@@ -222,13 +234,13 @@ class MultiheadDilatedAttention(nnx.Module):
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                  out_features: int | None = None, num_kv_heads: int | None = None, *, segment_lengths,
                  dilation_rates, causal: bool = False, merge: str = "lse", position: str = "none",
-                 rope: Rope = Rope(), implementation: str | None = None, config=None, use_bias: bool = True,
-                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, dropout_rate: float = 0.0,
-                 rngs: nnx.Rngs):
+                 rope: Rope = Rope(), ordering: str | None = None, grid=None, implementation: str | None = None,
+                 config=None, use_bias: bool = True, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+                 dropout_rate: float = 0.0, rngs: nnx.Rngs):
         self.spec = check_multihead_args(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                                          attention="dilated", position=position, rope=rope, causal=causal,
                                          segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-                                         merge=merge, dropout_rate=dropout_rate)
+                                         merge=merge, dropout_rate=dropout_rate, ordering=ordering, grid=grid)
         self.implementation, self.config, self.dtype = implementation, config, dtype
         _add_projections(self, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -240,6 +252,29 @@ class MultiheadDilatedAttention(nnx.Module):
         inputs_v = inputs_k if inputs_v is None else inputs_v
         return _project_attend(self, (inputs_q, inputs_k, inputs_v), ("inputs_q", "inputs_k", "inputs_v"),
                                positions=positions, config=self.config)
+
+
+class HilbertDilatedAttention(MultiheadDilatedAttention):
+    """Multi-head dilated attention on Hilbert-ordered tokens: `MultiheadDilatedAttention` with
+    ordering="hilbert" over the token grid `grid` (rows, cols) or (depth, rows, cols) holding the
+    sequence (image patches, video; None: the near-square default). The segments (and their
+    dilation) are cut from the Hilbert order, so a segment of w tokens is a compact 2-D region of
+    about sqrt(w) x sqrt(w) patches, not a strip of rows; causality keeps the original order. The
+    kernels gather the rows through the permutation (no permuted copies). The same parameters as
+    `MultiheadDilatedAttention` (q_proj, k_proj, v_proj, out_proj) and the same arguments, plus grid.
+    """
+
+    def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+                 out_features: int | None = None, num_kv_heads: int | None = None, *, segment_lengths,
+                 dilation_rates, grid=None, causal: bool = False, merge: str = "lse", position: str = "none",
+                 rope: Rope = Rope(), implementation: str | None = None, config=None, use_bias: bool = True,
+                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, dropout_rate: float = 0.0,
+                 rngs: nnx.Rngs):
+        super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                         segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal, merge=merge,
+                         position=position, rope=rope, ordering="hilbert", grid=grid, implementation=implementation,
+                         config=config, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                         dropout_rate=dropout_rate, rngs=rngs)
 
 
 def _check_positions(positions, batch, length):
@@ -265,14 +300,15 @@ class EncoderBlock(nnx.Module):
                  rope: Rope = Rope(), causal: bool = False, window: tuple[int, int] | None = None,
                  softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
                  segment_lengths=None, dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0,
-                 deterministic: bool | None = None, implementation: str | None = None, use_bias: bool = True,
+                 ordering: str | None = None, grid=None, deterministic: bool | None = None,
+                 implementation: str | None = None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         d_ff = feed_forward_width(d_model, d_ff)
         self.attn = MultiHeadSelfAttention(
             d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
             causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate,
-            deterministic=deterministic, implementation=implementation, use_bias=use_bias, dtype=dtype,
+            ordering=ordering, grid=grid, deterministic=deterministic, implementation=implementation, use_bias=use_bias, dtype=dtype,
             param_dtype=param_dtype, rngs=rngs)
         self.dropout_rate, self.deterministic = self.attn.dropout_rate, deterministic
         norm = dict(epsilon=LAYER_NORM_EPS, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)

@@ -50,7 +50,8 @@ def run_torch(case: Case, implementation: str, dtype: str, inputs, device="cpu")
 
 def jax_call(case: Case):
     kw = case.call_kwargs()
-    spec = jax_attn.AttentionSpec(scale=1.0, causal=kw.get("causal", False))
+    spec = jax_attn.AttentionSpec(scale=1.0, causal=kw.get("causal", False),
+                                  ordered=kw.get("ordering") not in (None, "identity"))
     return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype))
 
 
@@ -76,6 +77,16 @@ CASES = (
     _dl_case("dl_bf16_free_view_4k", (1, 4096, 8, 2, 128), (1024, 2048, 4096), (1, 2, 4), "bfloat16", gpu=True),
     _dl_case("dl_fp16_coprime_1k", (1, 1000, 6, 2, 64), (300, 700), (3, 7), "float16", causal=True, gpu=True),
     _dl_case("dl_fp32_head_groups_2k", (1, 2048, 4, 2, 64), (512, 2048), (1, 4), merge="head_groups", gpu=True),
+    # Space-filling-curve orderings: the segments cut from the ordered sequence, causality on the
+    # original positions; out, lse and gradients in the original order
+    _dl_case("dl_ordered_hilbert_causal_gqa_42", (1, 42, 4, 2, 16), (8, 16), (1, 2), ordering="hilbert",
+             grid=(6, 7), causal=True, quick=True),
+    _dl_case("dl_ordered_zorder_head_groups_fp16", (1, 40, 4, 2, 16), (10, 20), (1, 2), "float16",
+             ordering="zorder", merge="head_groups"),
+    _dl_case("dl_ordered_hilbert_bf16_4k", (1, 4096, 8, 2, 128), (512, 1024, 2048), (1, 2, 4), "bfloat16",
+             ordering="hilbert", grid=(64, 64), gpu=True),
+    _dl_case("dl_ordered_bit_reversal_causal_fp16_2k", (2, 2000, 4, 2, 64), (256, 1000), (1, 4), "float16",
+             ordering="bit_reversal", causal=True, gpu=True),
 )
 
 

@@ -73,7 +73,9 @@ def jax_call(case: Case):
         softcap=kw.get("softcap"), has_segments=case.segments is not None,
         rope=None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1]),
         offset=kw.get("q_offset", 0) - kw.get("kv_offset", 0), alibi="alibi_slopes" in kw,
-        dropout=kw.get("dropout_rate", 0.0))
+        dropout=kw.get("dropout_rate", 0.0),
+        # an ordering matters (gathers rows) only with a locality pattern, the window
+        ordered=kw.get("ordering") not in (None, "identity") and left is not None)
     offsets_position_rope = case.rope is not None and (kw.get("q_offset", 0) or kw.get("kv_offset", 0))
     return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype),
                                   positions=case.positions is not None or bool(offsets_position_rope))
@@ -130,6 +132,17 @@ CASES = (
                window=(20, 20)),
     _rope_case("rope_interleaved_fp16", (1, 64, 64, 2, 2, 64), "interleaved", dtype="float16"),
     _rope_case("rope_half_bf16_2k", (2, 2048, 2048, 8, 2, 128), "half", dtype="bfloat16", causal=True, gpu=True),
+    # Space-filling-curve orderings (the window on the ordered sequence, causality and segment ids on
+    # the original positions; out, lse and gradients in the original order)
+    _case("ordered_hilbert_window_causal_gqa", (1, 48, 48, 4, 2, 32), ordering="hilbert", grid=(6, 8),
+          window=(6, 6), causal=True, quick=True),
+    _case("ordered_zorder_window_segments_fp16", (2, 37, 37, 2, 1, 16), "float16", ordering="zorder",
+          window=(5, 2), segments="sorted", stat_grad=True),
+    _case("ordered_snake_dense_causal", (1, 40, 40, 2, 2, 16), ordering="snake", causal=True),
+    _case("ordered_hilbert_window_bf16_4k_gqa", (1, 4096, 4096, 8, 2, 128), "bfloat16", ordering="hilbert",
+          grid=(64, 64), window=(256, 256), causal=True, gpu=True),
+    _case("ordered_gray_window_fp16_2k", (2, 2000, 2000, 4, 4, 64), "float16", ordering="gray", window=(128, 64),
+          segments="packed", gpu=True),
     _rope_case("rope_interleaved_bf16_4k_packed", (1, 4096, 4096, 4, 4, 128), "interleaved", dtype="bfloat16",
                segments="packed", positions="restart_per_segment", causal=True, gpu=True),
 )

@@ -59,14 +59,16 @@ class MultiHeadSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None, attention: str = "softmax",
                  position: str = "none", rope: Rope = Rope(), causal: bool = False, window=None, softcap=None,
                  decay: float = 0.0, learn_decay: bool = False, segment_lengths=None, dilation_rates=None,
-                 merge: str = "lse", dropout_rate: float = 0.0, implementation: str | None = None,
+                 merge: str = "lse", dropout_rate: float = 0.0, ordering: str | None = None, grid=None,
+                 implementation: str | None = None,
                  use_bias: bool = True, dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32,
                  device=None):
         super().__init__()
         self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
                                      rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
                                      learn_decay=learn_decay, segment_lengths=segment_lengths,
-                                     dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate)
+                                     dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate,
+                                     ordering=ordering, grid=grid)
         self.implementation, self.dtype, self.dropout_rate = implementation, dtype, self.spec.dropout_rate
         _add_projections(self, bias=use_bias, dtype=param_dtype, device=device)
         if learn_decay:
@@ -136,11 +138,11 @@ class DilatedAttention(nn.Module):
     stay 0.0: dilated attention has no dropout)."""
 
     def __init__(self, segment_lengths, dilation_rates, *, causal: bool = False, merge: str = "lse",
-                 scale: float | None = None, implementation: str | None = None, config=None,
-                 dropout_rate: float = 0.0):
+                 scale: float | None = None, ordering: str | None = None, grid=None,
+                 implementation: str | None = None, config=None, dropout_rate: float = 0.0):
         super().__init__()
         self.spec = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge, scale=scale,
-                                       dropout_rate=dropout_rate)
+                                       dropout_rate=dropout_rate, ordering=ordering, grid=grid)
         self.implementation, self.config = implementation, config
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False):
@@ -156,14 +158,14 @@ class MultiheadDilatedAttention(nn.Module):
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                  out_features: int | None = None, num_kv_heads: int | None = None, *, segment_lengths,
                  dilation_rates, causal: bool = False, merge: str = "lse", position: str = "none",
-                 rope: Rope = Rope(), implementation: str | None = None, config=None, use_bias: bool = True,
-                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32,
-                 dropout_rate: float = 0.0, device=None):
+                 rope: Rope = Rope(), ordering: str | None = None, grid=None, implementation: str | None = None,
+                 config=None, use_bias: bool = True, dtype: torch.dtype = torch.float32,
+                 param_dtype: torch.dtype = torch.float32, dropout_rate: float = 0.0, device=None):
         super().__init__()
         self.spec = check_multihead_args(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                                          attention="dilated", position=position, rope=rope, causal=causal,
                                          segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-                                         merge=merge, dropout_rate=dropout_rate)
+                                         merge=merge, dropout_rate=dropout_rate, ordering=ordering, grid=grid)
         self.implementation, self.config, self.dtype = implementation, config, dtype
         _add_projections(self, bias=use_bias, dtype=param_dtype, device=device)
 
@@ -175,6 +177,23 @@ class MultiheadDilatedAttention(nn.Module):
         inputs_v = inputs_k if inputs_v is None else inputs_v
         return _project_attend(self, (inputs_q, inputs_k, inputs_v), ("inputs_q", "inputs_k", "inputs_v"),
                                positions=positions, config=self.config)
+
+
+class HilbertDilatedAttention(MultiheadDilatedAttention):
+    """Twin of `jax_attn.nn.layers.HilbertDilatedAttention`: `MultiheadDilatedAttention` with
+    ordering="hilbert" over the token grid `grid` (see there; torch dtypes and a `device`)."""
+
+    def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+                 out_features: int | None = None, num_kv_heads: int | None = None, *, segment_lengths,
+                 dilation_rates, grid=None, causal: bool = False, merge: str = "lse", position: str = "none",
+                 rope: Rope = Rope(), implementation: str | None = None, config=None, use_bias: bool = True,
+                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32,
+                 dropout_rate: float = 0.0, device=None):
+        super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                         segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal, merge=merge,
+                         position=position, rope=rope, ordering="hilbert", grid=grid, implementation=implementation,
+                         config=config, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                         dropout_rate=dropout_rate, device=device)
 
 
 def _check_positions(positions, batch, length):
@@ -191,8 +210,8 @@ class EncoderBlock(nn.Module):
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *, num_kv_heads: int | None = None,
                  attention: str = "softmax", position: str = "none", rope: Rope = Rope(), causal: bool = False,
                  window=None, softcap=None, decay: float = 0.0, learn_decay: bool = False, segment_lengths=None,
-                 dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0,
-                 implementation: str | None = None, use_bias: bool = True, dtype: torch.dtype = torch.float32,
+                 dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0, ordering: str | None = None,
+                 grid=None, implementation: str | None = None, use_bias: bool = True, dtype: torch.dtype = torch.float32,
                  param_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         d_ff = feed_forward_width(d_model, d_ff)
@@ -200,7 +219,7 @@ class EncoderBlock(nn.Module):
             d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
             causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
             segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate,
-            implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, device=device)
+            ordering=ordering, grid=grid, implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, device=device)
         self.dtype, self.dropout_rate = dtype, self.attn.dropout_rate
         factory = dict(dtype=param_dtype, device=device)
         self.ln1 = nn.LayerNorm(d_model, eps=LAYER_NORM_EPS, **factory)

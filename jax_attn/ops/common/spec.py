@@ -35,6 +35,10 @@ class AttentionSpec:
     alibi: scores get -slope_h * |i + offset - j| (ALiBi, per-head slopes given at run time).
     dropout: the rate of attention dropout (probabilities zeroed after the softmax, the rest
       scaled by 1 / (1 - rate); the bits of `attn_spec.dropout`, seeded at run time).
+    ordered: the rows are positions of an ordered sequence (a space-filling-curve ordering,
+      `attn_spec.orderings`) and each carries its original position: windows compare the ordered
+      positions, causality the original ones (`visible`'s q_orig, kv_orig). The kernels gather
+      the rows through those positions.
     """
 
     scale: float
@@ -48,22 +52,27 @@ class AttentionSpec:
     offset: int = 0
     alibi: bool = False
     dropout: float = 0.0
+    ordered: bool = False  # rows read through an ordering (orig positions given): causality compares those
 
     @property
     def has_position_mask(self) -> bool:
         return self.causal or self.window_left is not None or self.window_right is not None
 
 
-def visible(spec: AttentionSpec, rows, cols, kv_len: int, q_seg=None, kv_seg=None):
+def visible(spec: AttentionSpec, rows, cols, kv_len: int, q_seg=None, kv_seg=None, q_orig=None, kv_orig=None):
     """Element mask: True where query position `rows` may attend key position `cols`.
 
     `rows`, `cols` (and the segment ids, aligned with them) broadcast against each other, so one
-    definition serves the reference ([Sq, Sk]) and every kernel tile orientation.
+    definition serves the reference ([Sq, Sk]) and every kernel tile orientation. With
+    spec.ordered, q_orig / kv_orig are the rows' original positions (aligned likewise): causality
+    compares them, the window the ordered positions `rows`, `cols`.
     """
     mask = cols < kv_len
     if spec.offset:  # absolute positions: query row i sits at key position i + offset
         rows = rows + spec.offset
-    if spec.causal:
+    if spec.causal and spec.ordered:
+        mask &= kv_orig <= q_orig
+    elif spec.causal:
         mask &= cols <= rows
     if spec.window_left is not None:
         mask &= cols >= rows - spec.window_left

@@ -106,10 +106,12 @@ def rotate(parts, cos_sin, dtype, *, inverse=False):
     return (a * cos - b * sin).astype(dtype), (a * sin + b * cos).astype(dtype)
 
 
-# Per-token side inputs: segment ids as one int32 array per side, [B, fields, S] (one ref per side
-# whatever is switched on), and with RoPE one cos/sin table per side, [B, 2, S, D/2] fp32.
+# Per-token side inputs: segment ids and, under an ordering, the rows' original positions ("orig":
+# the rows the kernels gather and the positions causality compares) as one int32 array per side,
+# [B, fields, S] (one ref per side whatever is switched on), and with RoPE one cos/sin table per
+# side, [B, 2, S, D/2] fp32.
 def info_fields(spec: AttentionSpec) -> tuple[str, ...]:
-    return ("seg",) * spec.has_segments
+    return ("seg",) * spec.has_segments + ("orig",) * spec.ordered
 
 
 class Side:

@@ -11,6 +11,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from attn_spec import visit as plan
@@ -31,8 +32,10 @@ def first_visible_keys(q_ids, kv_ids):
 
 
 def reach(spec: AttentionSpec):
-    """(before, after): query i sees keys i - before <= j <= i + after (None: unbounded)."""
-    return plan.reach(spec.causal, spec.window_left, spec.window_right, spec.offset)
+    """(before, after): query i sees keys i - before <= j <= i + after (None: unbounded). Under an
+    ordering (spec.ordered) only the window bounds the tiles: causality compares original positions,
+    which no tile of ordered rows can bound in general."""
+    return plan.reach(spec.causal and not spec.ordered, spec.window_left, spec.window_right, spec.offset)
 
 
 def partner_blocks(first, size: int, block: int, num: int, before, after, last_masked: bool = False,
@@ -53,6 +56,8 @@ def block_ranges(spec: AttentionSpec, q_len, kv_len, block_q, block_k, nq, nk,
     before, after = reach(spec)
     if not spec.has_segments:
         table = plan.block_table(before, after, q_len, kv_len, block_q, block_k, nq, nk, key_major)
+        if spec.ordered and spec.causal:  # original-position causality: every visited tile masked
+            table = np.concatenate([table[:, :1], table[:, 3:], table[:, 3:], table[:, 3:]], axis=1)
         return jnp.asarray(table.copy())[None]  # a copy per use, as every traced constant
     any_, _ = plan.block_masks(before, after, q_len, kv_len, block_q, block_k, nq, nk)
     qb = q_seg.reshape(q_seg.shape[0], nq, block_q)

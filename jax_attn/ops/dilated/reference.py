@@ -31,10 +31,11 @@ def _slot_view(x, branch: Branch):
     return x.reshape(batch, n, branch.rows, r * heads, head_dim)
 
 
-def _branch(q, k, v, branch: Branch, plan: RowMap, num_heads: int, causal: bool, scale: float):
+def _branch(q, k, v, branch: Branch, plan: RowMap, num_heads: int, causal: bool, scale: float, positions=None):
     """The `num_heads` heads that `plan` maps (global heads plan.head_base + h), through one branch
     -> (out [B, S, num_heads, D] in q.dtype, lse [B, num_heads, S]): rows the branch does not keep
-    give out 0, lse -inf."""
+    give out 0, lse -inf. positions: int [S], the rows' own positions for causality (an ordered
+    sequence's original positions), None: the rows' indices."""
     batch, seq_len, _, head_dim = q.shape
     n, rows, r = branch.num_segments, branch.rows, branch.rate
     heads = np.arange(num_heads)
@@ -51,8 +52,14 @@ def _branch(q, k, v, branch: Branch, plan: RowMap, num_heads: int, causal: bool,
     kept = branch.kept_rows()[:, offsets]  # [n, heads]
     ids = (np.arange(rows)[None, None, :] >= kept[:, :, None]).astype(np.int32)
     ids = jnp.asarray(np.broadcast_to(ids[None], (batch, n, num_heads, rows)).reshape(-1, rows))
-    spec = AttentionSpec(scale=scale, causal=causal, has_segments=True)
-    o, lse = attention_reference(gather(q, q_slots), gather(k, kv_slots), gather(v, kv_slots), ids, ids, spec)
+    spec = AttentionSpec(scale=scale, causal=causal, has_segments=True, ordered=positions is not None)
+    orig = None
+    if positions is not None:  # each virtual sequence's rows' positions, as the rows are gathered
+        pos = jnp.broadcast_to(jnp.asarray(positions)[None, :, None, None], (batch, seq_len, 1, 1))
+        orig = _slot_view(pos, branch)[:, :, :, offsets]  # [B, n, rows, heads, 1]
+        orig = orig.transpose(0, 1, 3, 2, 4).reshape(batch * n * num_heads, rows)
+    o, lse = attention_reference(gather(q, q_slots), gather(k, kv_slots), gather(v, kv_slots), ids, ids, spec,
+                                 q_orig=orig, kv_orig=orig)
 
     # Back to the original rows: kept row m of head h sits at slot offset(h) of padded row m * r.
     own = jnp.asarray(np.arange(r)[:, None] == offsets[None, :])  # [r, heads]
@@ -84,12 +91,15 @@ def _merge_lse(outs, lses):
     return out, lse
 
 
-def dilated_reference(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: str, scale: float):
+def dilated_reference(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: str, scale: float,
+                      positions=None):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] (query head h reads kv head h // (Hq / Hkv)) ->
     (out [B, S, Hq, D] in q.dtype, lse [B, Hq, S]; float32 for 16-bit inputs, float64 for float64).
 
     Plain jnp through `attention_reference` (scores materialised per branch and segment): the
-    `"xla"` implementation and the golden under jax.enable_x64. Gradients by autodiff."""
+    `"xla"` implementation and the golden under jax.enable_x64. Gradients by autodiff.
+    positions: int [S] or None: the positions causality compares (those of an ordered sequence's
+    tokens in the original one, for ordered attention's composite); None: the row indices."""
     batch, seq_len, num_heads, head_dim = q.shape
     if k.shape[1] != seq_len or v.shape[1] != seq_len:
         raise ValueError(f"dilated attention needs Sq == Sk, got {q.shape=}, {k.shape=}, {v.shape=}")
@@ -100,13 +110,13 @@ def dilated_reference(q, k, v, *, segment_lengths, dilation_rates, causal: bool,
     parts = branches(lengths, rates, seq_len)
     if merge == "lse":
         results = [_branch(q, k, v, b, head_plan(merge, num_heads, len(parts), i, b.rate, num_kv_heads),
-                           num_heads, causal, scale) for i, b in enumerate(parts)]
+                           num_heads, causal, scale, positions) for i, b in enumerate(parts)]
         out, lse = _merge_lse([o for o, _ in results], [l for _, l in results])
         return out.astype(q.dtype), lse
     # head_groups: group i (heads i * size .. (i + 1) * size - 1) runs branch i alone.
     size = num_heads // len(parts)
     results = [_branch(q, k, v, b, head_plan(merge, num_heads, len(parts), i, b.rate, num_kv_heads),
-                       size, causal, scale) for i, b in enumerate(parts)]
+                       size, causal, scale, positions) for i, b in enumerate(parts)]
     out = jnp.concatenate([o for o, _ in results], axis=2)
     lse = jnp.concatenate([l for _, l in results], axis=1)
     return out.astype(q.dtype), lse

@@ -11,6 +11,14 @@ out = sum_k w_k o_k / sum_k w_k, which is LongNet's Eq. 10, and the merged stati
 The merge is one softmax over the union of the branches' key sets, so the backward runs each
 branch's backward kernels at the merged statistics (`mapped_backward`) and adds up the branches'
 dq, dk, dv. Design: docs/design/dilated.md.
+
+Under an ordering pi (docs/design/orderings.md) the segments are cut from the ordered sequence:
+row m of virtual sequence (segment, offset) is ordered position p = seg * w + m * r + offset,
+original token pi[p]. No view of q, k, v exists then: each branch's kernels gather their tiles'
+rows from the unviewed arrays at those tokens (`_Plan.orig`), causality compares them. The
+compact branch outputs are merged as above in the ordered layout and the merged out, lse, dq, dk,
+dv are read back to the original order in the merge's last step (one XLA gather along the
+sequence, before the cast to the input dtype).
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ class _Static:
     blocks: BlockSizes | None
     interpret: bool | None
     mosaic: bool  # the Hopper kernels for the branches they serve (no segment ids)
+    ordered: bool = False  # segments cut from an ordered sequence (the order is an argument)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +68,18 @@ class _Plan:
             x = x.reshape(batch, br.num_segments, br.segment, heads, head_dim)
             x = jnp.pad(x, ((0, 0), (0, 0), (0, br.padded_segment - br.segment), (0, 0), (0, 0)))
         return x.reshape(batch * br.num_segments, br.rows, br.rate * heads, head_dim)
+
+    def orig(self, perm, batch: int):
+        """int32 [B * n * rate, rows]: the original row of each row of each virtual sequence
+        (seg, offset) of the ordered sequence: perm[seg * w + m * r + offset]; padding rows get
+        positions past the end (S + p), never visible under causality and clamped when loaded."""
+        br = self.branch
+        m = np.arange(br.rows)[None, None, :] * br.rate + np.arange(br.rate)[None, :, None]  # [1, r, rows]
+        p = np.arange(br.num_segments)[:, None, None] * br.segment + m  # [n, r, rows]
+        real = (m < br.segment) & (p < br.seq_len)
+        where = jnp.asarray(np.where(real, p, 0).astype(np.int32))
+        orig = jnp.where(jnp.asarray(real), jnp.take(perm.astype(jnp.int32), where), br.seq_len + jnp.asarray(p))
+        return jnp.broadcast_to(orig[None], (batch,) + orig.shape).reshape(-1, br.rows).astype(jnp.int32)
 
     def segment_ids(self, batch: int):
         """[B * n * rate, rows]: 1 on the padded suffix of each virtual sequence (invisible keys)."""
@@ -112,21 +133,31 @@ def _plans(st: _Static, q, k) -> tuple[_Plan, ...]:
     for i, br in enumerate(branches(st.segment_lengths, st.dilation_rates, seq_len)):
         rows = head_plan(st.merge, num_heads, len(st.segment_lengths), i, br.rate, num_kv_heads)
         spec = AttentionSpec(scale=st.scale, causal=st.causal, has_segments=br.padded and not st.causal,
-                             precision=st.precision)
-        use_mosaic = st.mosaic and mosaic.unsupported_reason(spec, head_dim, q.dtype) is None
+                             precision=st.precision, ordered=st.ordered)
+        use_mosaic = st.mosaic and not st.ordered and mosaic.unsupported_reason(spec, head_dim, q.dtype) is None
         blocks = mosaic.default_mosaic_block_sizes(padded_head_dim(spec, head_dim)) if use_mosaic else None
         out.append(_Plan(br, rows, spec, blocks))
     return tuple(out)
 
 
-def _forward(st: _Static, q, k, v):
-    """-> out [B, S, H, D], lse, m2, inv_l [B, H, S] (merged)."""
+def _inputs(st: _Static, plan: _Plan, perm, xs, batch: int):
+    """A branch's q, k, v (, dO) and keyword arguments: the views, or under an ordering the
+    unviewed arrays with their rows' original positions."""
+    if st.ordered:
+        return xs, {"orig": plan.orig(perm, batch)}
+    return tuple(plan.view(x) for x in xs), {}
+
+
+def _forward(st: _Static, q, k, v, perm):
+    """-> out [B, S, H, D], lse [B, H, S] (original order), m2, inv_l [B, H, S] (merged; ordered
+    positions under an ordering)."""
     batch, seq_len, num_heads, _ = q.shape
     outs, maxes, sums = [], [], []
     for plan in _plans(st, q, k):
-        o, m2, inv_l = mapped_forward(plan.view(q), plan.view(k), plan.view(v), plan.segment_ids(batch),
+        xs, kw = _inputs(st, plan, perm, (q, k, v), batch)
+        o, m2, inv_l = mapped_forward(*xs, plan.segment_ids(batch),
                                       plan.spec, plan.rows, blocks=st.blocks, interpret=st.interpret,
-                                      out_dtype=jnp.float32, mosaic_blocks=plan.mosaic_blocks)
+                                      out_dtype=jnp.float32, mosaic_blocks=plan.mosaic_blocks, **kw)
         kept = inv_l > 0  # rows with a visible key; the rest have m2 = +inf
         m2 = jnp.where(kept, m2, -jnp.inf)
         l = jnp.where(kept, 1.0 / jnp.where(kept, inv_l, 1.0), 0.0)
@@ -144,40 +175,54 @@ def _forward(st: _Static, q, k, v):
     out = out * inv_total[..., None]
     lse = jnp.where(empty, -jnp.inf, (m_safe + jnp.log2(jnp.where(empty, 1.0, total))) / LOG2E)
     to_bhs = lambda x: x.transpose(0, 2, 1)
-    return out.astype(q.dtype), to_bhs(lse), to_bhs(jnp.where(empty, jnp.inf, m)), to_bhs(inv_total)
+    back = _to_original(st, perm)
+    return (back(out, 1).astype(q.dtype), back(to_bhs(lse), 2), to_bhs(jnp.where(empty, jnp.inf, m)),
+            to_bhs(inv_total))
+
+
+def _to_original(st: _Static, perm):
+    """(x, axis) -> x read back from ordered positions to the original order along `axis`."""
+    if not st.ordered:
+        return lambda x, axis: x
+    inv = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+    return lambda x, axis: jnp.take(x, inv, axis=axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dilated(st, q, k, v):
-    out, lse, _, _ = _forward(st, q, k, v)
+def _dilated(st, q, k, v, perm):
+    out, lse, _, _ = _forward(st, q, k, v, perm)
     return out, lse
 
 
-def _dilated_fwd(st, q, k, v):
-    out, lse, m2, inv_l = _forward(st, q, k, v)
-    return (out, lse), (q, k, v, out, m2, inv_l)
+def _dilated_fwd(st, q, k, v, perm):
+    out, lse, m2, inv_l = _forward(st, q, k, v, perm)
+    return (out, lse), (q, k, v, perm, out, m2, inv_l)
 
 
 def _dilated_bwd(st, residuals, cotangents):
-    q, k, v, out, m2, inv_l = residuals
+    q, k, v, perm, out, m2, inv_l = residuals
     do, dlse = cotangents
     batch, seq_len, num_heads, _ = q.shape
     num_kv_heads = k.shape[2]
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
+    if st.ordered:  # the merged statistics are in ordered positions
+        delta = jnp.take(delta, perm, axis=2)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk = jnp.zeros(q.shape, jnp.float32)  # per query head; summed over the GQA group below
     dv = jnp.zeros(q.shape, jnp.float32)
     for plan in _plans(st, q, k):
-        gq, gk, gv = mapped_backward(plan.view(q), plan.view(k), plan.view(v), plan.segment_ids(batch),
-                                     plan.spec, plan.rows, plan.view(do.astype(q.dtype)),
+        (qx, kx, vx, dox), kw = _inputs(st, plan, perm, (q, k, v, do.astype(q.dtype)), batch)
+        gq, gk, gv = mapped_backward(qx, kx, vx, plan.segment_ids(batch),
+                                     plan.spec, plan.rows, dox,
                                      plan.full_to_rows(m2, jnp.inf), plan.full_to_rows(inv_l, 0.0),
                                      plan.full_to_rows(delta, 0.0), blocks=st.blocks, interpret=st.interpret,
-                                     mosaic_blocks=plan.mosaic_blocks)
+                                     mosaic_blocks=plan.mosaic_blocks, **kw)
         full = lambda x: plan.rows_to_full(x.astype(jnp.float32), batch, seq_len, num_heads, 0.0)
         dq, dk, dv = dq + full(gq), dk + full(gk), dv + full(gv)
     group = num_heads // num_kv_heads
-    by_kv = lambda x: x.reshape(batch, seq_len, num_kv_heads, group, -1).sum(3)
-    return dq.astype(q.dtype), by_kv(dk).astype(k.dtype), by_kv(dv).astype(v.dtype)
+    back = _to_original(st, perm)
+    by_kv = lambda x: back(x.reshape(batch, seq_len, num_kv_heads, group, -1).sum(3), 1)
+    return back(dq, 1).astype(q.dtype), by_kv(dk).astype(k.dtype), by_kv(dv).astype(v.dtype), None
 
 
 _dilated.defvjp(_dilated_fwd, _dilated_bwd)
@@ -185,10 +230,15 @@ _dilated.defvjp(_dilated_fwd, _dilated_bwd)
 
 def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: str,
                              scale: float, precision=jax.lax.Precision.DEFAULT, blocks: BlockSizes | None = None,
-                             interpret: bool | None = None, mosaic: bool = False):
+                             interpret: bool | None = None, mosaic: bool = False, order=None):
     """q [B, S, H, D], k/v [B, S, Hkv, D] (validated) -> (out [B, S, H, D], lse [B, H, S]).
     mosaic: the branches the Hopper kernels serve (those without segment ids: no padding, or
-    causal) run on them, the others on the Triton kernels."""
+    causal) run on them, the others on the Triton kernels. order: int [S], an ordering pi whose
+    ordered sequence the segments are cut from (gathered in the kernels; Triton kernels only)."""
+    if order is not None and mosaic:
+        raise NotImplementedError("orderings gather rows in the Triton kernels; the Mosaic GPU kernels load "
+                                  "contiguous TMA boxes")
     st = _Static(tuple(segment_lengths), tuple(dilation_rates), causal, merge, float(scale), precision, blocks,
-                 interpret, mosaic)
-    return _dilated(st, q, k, v)
+                 interpret, mosaic, ordered=order is not None)
+    perm = jnp.zeros((0,), jnp.int32) if order is None else jnp.asarray(order).astype(jnp.int32)
+    return _dilated(st, q, k, v, perm)

@@ -15,11 +15,13 @@ from jax_attn.ops.common.spec import AttentionSpec, visible
 
 
 def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None, slopes=None,
-                        seed=None):
+                        seed=None, q_orig=None, kv_orig=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D], ids [B, Sq]/[B, Sk] or None -> (out, lse [B, Hq, Sq]).
 
     With spec.rope, q and k are first rotated by q_pos [B, Sq] / kv_pos [B, Sk] (plain jnp); with
-    spec.dropout, the probabilities are dropped by the mask of `seed` (uint32 [2])."""
+    spec.dropout, the probabilities are dropped by the mask of `seed` (uint32 [2]). With
+    spec.ordered the rows are those of an ordered sequence and q_orig [Sq] / kv_orig [Sk] (or
+    [B, S]) their original positions, which causality compares."""
     if spec.rope is not None:
         q, k = apply_rope(q, q_pos, spec.rope), apply_rope(k, kv_pos, spec.rope)
     batch, q_len, num_heads, head_dim = q.shape
@@ -39,7 +41,10 @@ def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=No
         s = s - slope * jnp.abs(rows + spec.offset - cols).astype(s.dtype)
     seg_q = q_seg[:, None, None, :, None] if spec.has_segments else None
     seg_k = kv_seg[:, None, None, None, :] if spec.has_segments else None
-    mask = visible(spec, rows, cols, kv_len, seg_q, seg_k)
+    if spec.ordered:
+        q_orig = jnp.broadcast_to(jnp.asarray(q_orig), (batch, q_len))[:, None, None, :, None]
+        kv_orig = jnp.broadcast_to(jnp.asarray(kv_orig), (batch, kv_len))[:, None, None, None, :]
+    mask = visible(spec, rows, cols, kv_len, seg_q, seg_k, q_orig, kv_orig)
     mask = jnp.broadcast_to(mask, s.shape)
     s = jnp.where(mask, s, -jnp.inf)
     # Softmax that stays finite on rows with no visible key (output 0, lse -inf, zero grads).

@@ -76,15 +76,47 @@ class _Static:
     rope_arange: bool = False  # RoPE at positions arange: tile cos/sin by angle addition
     mosaic: mosaic_gpu.MosaicBlockSizes | None = None  # run the Mosaic GPU kernels instead
     rows: RowMap | None = None  # read heads through a row map (a view's head slots); None: identity
+    # Under an ordering (spec.ordered) the q, k, v, dO refs span a head's whole original sequence and
+    # a tile's rows are gathered at their original positions (side field "orig"). scatter: the
+    # outputs and row statistics are in the original order too, stored at those rows; else they
+    # are written compact, in the ordered tile layout (row-mapped calls). batch_div: grid batch
+    # rows per row of q, k, v (a row map's virtual sequences per sequence).
+    scatter: bool = False
+    batch_div: int = 1
 
 
 def _head_maps(st: _Static, group: int):
     """(q head, kv head, batch row) that grid program (b, h) reads: the identity (kv head h // group
     of GQA, batch row b), or the row map's head slots and per-(batch, offset) row. Outputs are
-    always written at the program's own head h."""
+    always written at the program's own head h. Under an ordering with a row map the rows are
+    gathered from the unviewed arrays: the q head is the global head, its kv head the GQA one."""
     if st.rows is None:
         return (lambda h: h), (lambda h: h // group), (lambda b, h: b)
+    if st.spec.ordered:
+        rm = st.rows
+        return ((lambda h: rm.head_base + h), (lambda h: (rm.head_base + h) // (rm.heads // rm.kv_heads)),
+                rm.side_row)
     return st.rows.q_slot, st.rows.kv_slot, st.rows.side_row
+
+
+def _source_batch(st: _Static):
+    """The row of q, k, v that grid batch row b reads."""
+    return (lambda b: b // st.batch_div) if st.batch_div > 1 else (lambda b: b)
+
+
+def _gathered_rows(info, ref, idx=slice(None)):
+    """Under an ordering: the rows of `ref` (a whole sequence) holding a tile's tokens, its side
+    field "orig" clamped into the array (padding rows carry positions past its end); else None."""
+    orig = info.get("orig", idx)
+    return None if orig is None else jnp.minimum(orig, ref.shape[0] - 1)
+
+
+def _put(ref, rows, x):
+    """Store a tile: whole, or scattered to `rows` of a whole-sequence ref (under an ordering)."""
+    if rows is None:
+        ref[...] = x.astype(ref.dtype)
+    else:
+        ref[(rows,) + (slice(None),) * (ref.ndim - 1)] = x.astype(ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,9 +150,10 @@ def _alibi(spec, slope, rows, cols):
     return jnp.abs(distance).astype(jnp.float32) * (-slope * LOG2E)
 
 
-def _mask(spec, st: _Static, s, rows, cols, q_seg, kv_seg):
-    """Set scores of invisible (row, col) pairs to -inf; also return the mask."""
-    mask = visible(spec, rows, cols, st.kv_len, q_seg, kv_seg)
+def _mask(spec, st: _Static, s, rows, cols, q_seg, kv_seg, q_orig=None, kv_orig=None):
+    """Set scores of invisible (row, col) pairs to -inf; also return the mask. Under an ordering
+    rows, cols are ordered positions and q_orig, kv_orig the original ones (for causality)."""
+    mask = visible(spec, rows, cols, st.kv_len, q_seg, kv_seg, q_orig, kv_orig)
     return jnp.where(mask, s, -jnp.inf), mask
 
 
@@ -157,11 +190,15 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
     seed_ref = rest.pop(0) if spec.dropout else None
     o_ref, lse_ref, m2_ref, inv_l_ref, *q_rot_ref = rest
-    block_q, head_dim = q_ref.shape
+    block_q, head_dim = st.blocks.block_q, q_ref.shape[-1]
     block_k = st.blocks.block_k
     rope = spec.rope is not None
     q_cs = tiles.rope_cos_sin(tables[0]) if rope else None
-    q = tiles.rotate(tiles.load_parts(q_ref, (slice(None),), spec, head_dim), q_cs, q_ref.dtype)
+    q_rows = _gathered_rows(q_info, q_ref)  # under an ordering: the tile's rows in q
+    q_orig = q_info.get("orig")
+    q_orig = None if q_orig is None else q_orig[:, None]
+    q = tiles.rotate(tiles.load_parts(q_ref, (slice(None) if q_rows is None else q_rows,), spec, head_dim), q_cs,
+                     q_ref.dtype)
     if q_rot_ref:  # the rotated q, for the backward (whose loops then rotate nothing)
         tiles.store_parts(q_rot_ref[0], q, spec, head_dim)
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
@@ -176,8 +213,10 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         start = pl.multiple_of(j * block_k, block_k)
         tile = pl.ds(start, block_k)
         k_cs = tiles.rope_cos_sin(tables[1], tile, k_delta) if rope else None
-        k = tiles.rotate(tiles.load_parts(k_ref, (tile,), spec, head_dim), k_cs, k_ref.dtype)
-        v = v_ref[tile, :]
+        kv_rows = _gathered_rows(kv_info, k_ref, tile)
+        kv_at = tile if kv_rows is None else kv_rows
+        k = tiles.rotate(tiles.load_parts(k_ref, (kv_at,), spec, head_dim), k_cs, k_ref.dtype)
+        v = v_ref[kv_at, :]
         s, _ = _scores(q, k, spec)
         if spec.alibi:
             s = s + _alibi(spec, slope, rows[:, None], (start + jnp.arange(block_k))[None, :])
@@ -185,7 +224,8 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
             cols = start + jnp.arange(block_k)
             kv_seg = kv_info.get("seg", tile)
             kv_seg = None if kv_seg is None else kv_seg[None, :]
-            s, _ = _mask(spec, st, s, rows[:, None], cols[None, :], q_seg, kv_seg)
+            kv_orig = None if kv_rows is None else kv_info.get("orig", tile)[None, :]
+            s, _ = _mask(spec, st, s, rows[:, None], cols[None, :], q_seg, kv_seg, q_orig, kv_orig)
         # online softmax update; a row that has seen only masked keys keeps m = -inf, so the
         # exponent uses 0 in its place and every p of that row is exp2(-inf) = 0, never NaN.
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -206,13 +246,14 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     l_safe = jnp.where(empty, 1.0, l)
     inv_l = 1.0 / l_safe
     o_scale = inv_l * (1.0 / (1.0 - spec.dropout)) if spec.dropout else inv_l
-    o_ref[...] = (acc * o_scale[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) / LOG2E)
+    out_rows = q_rows if st.scatter else None  # under an ordering: scattered back to the original rows
+    _put(o_ref, out_rows, acc * o_scale[:, None])
+    _put(lse_ref, out_rows, jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) / LOG2E))
     # For the backward: P = exp2(s2 - m2) * inv_l. Recomputing P from lse instead would put
     # ulp(lse) of absolute error into every exponent, too much for fp32 gradients. Rows with no
     # visible key store m2 = +inf, inv_l = 0, so their P is 0.
-    m2_ref[...] = jnp.where(empty, jnp.inf, m)
-    inv_l_ref[...] = jnp.where(empty, 0.0, inv_l)
+    _put(m2_ref, out_rows, jnp.where(empty, jnp.inf, m))
+    _put(inv_l_ref, out_rows, jnp.where(empty, 0.0, inv_l))
 
 
 def _fwd_call(st: _Static, q, k, v, side, ranges, *, differentiated: bool, out_dtype=None):
@@ -221,26 +262,36 @@ def _fwd_call(st: _Static, q, k, v, side, ranges, *, differentiated: bool, out_d
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     q_head, kv_head, row = _head_maps(st, group)
+    src = _source_batch(st)
     programs = num_heads if st.rows is None else st.rows.programs
     bq = st.blocks.block_q
+    ordered = st.spec.ordered
+    if ordered:  # q, k, v whole per head (rows gathered); the tile grid is the ordered sequence's
+        batch, q_pad, kv_pad = batch * st.batch_div, side[0].shape[2], side[1].shape[2]
     rb = ranges.shape[0]  # 1 (static ranges, broadcast) or batch rows (segment ids)
     side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0,
                                                       lambda i, b, h: row(b, h))
+    q_in = (pl.BlockSpec((None, q.shape[1], None, head_dim), lambda i, b, h: (src(b), 0, q_head(h), 0)) if ordered
+            else pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, q_head(h), 0)))
+    kv_spec = pl.BlockSpec((None, k.shape[1], None, head_dim), lambda i, b, h: (src(b), 0, kv_head(h), 0))
     in_specs = [
         pl.BlockSpec((None, None, 4), lambda i, b, h: (row(b, h) if rb > 1 else 0, i, 0)),
-        pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, q_head(h), 0)),
-        pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0)),
-        pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0)),
+        q_in, kv_spec, kv_spec,
         *side_specs,
     ]
-    q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
+    if st.scatter:  # the tile's rows are scattered over the whole sequence
+        q_spec = pl.BlockSpec((None, q_pad, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+        stat_spec = pl.BlockSpec((None, None, q_pad), lambda i, b, h: (b, h, 0))
+    else:
+        q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
+        stat_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     rotated = differentiated and st.spec.rope is not None
     out_shape = (batch, q_pad, programs, head_dim)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st),
         grid=(q_pad // bq, batch, programs),  # query blocks fastest: neighbours share K/V in L2
         in_specs=in_specs,
-        out_specs=[q_spec] + [pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))] * 3
+        out_specs=[q_spec] + [stat_spec] * 3
         + [q_spec] * rotated,
         out_shape=[jax.ShapeDtypeStruct(out_shape, out_dtype or q.dtype)]
         + [jax.ShapeDtypeStruct((batch, programs, q_pad), jnp.float32)] * 3  # lse, m2, inv_l
@@ -274,19 +325,23 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
     first_head = pl.program_id(2) * q_ref.shape[1] if spec.alibi or spec.dropout else None
     if spec.dropout:
         batch_row, num_heads = pl.program_id(1), pl.num_programs(2) * q_ref.shape[1]
-    block_k, head_dim = k_ref.shape
+    block_k, head_dim = st.blocks.block_k_dkv, k_ref.shape[-1]
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
     rope = spec.rope is not None
     k_cs = tiles.rope_cos_sin(tables[1]) if rope else None
-    k = tiles.rotate(tiles.load_parts(k_ref, (slice(None),), spec, head_dim), k_cs, k_ref.dtype)
+    kv_rows = _gathered_rows(kv_info, k_ref)  # under an ordering: the tile's rows in k, v
+    kv_at = slice(None) if kv_rows is None else kv_rows
+    k = tiles.rotate(tiles.load_parts(k_ref, (kv_at,), spec, head_dim), k_cs, k_ref.dtype)
     if k_rot_ref:
         tiles.store_parts(k_rot_ref[0], k, spec, head_dim)
     k = tiles.join_parts(k, spec, head_dim)  # rotated: the products take q, k whole
-    v = v_ref[...]
+    v = v_ref[...] if kv_rows is None else v_ref[kv_rows, :]
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
     kv_seg = kv_info.get("seg")
     kv_seg = None if kv_seg is None else kv_seg[:, None]
+    kv_orig = None if kv_rows is None else kv_info.get("orig")[:, None]
+    stats_at = kv_rows is not None and st.scatter  # row statistics in the original order
 
     def body(step, carry, masked):
         # One flat loop over (query block, head of the group): no nested loops, so the compiler
@@ -295,11 +350,14 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
         i, g = step // group, step % group
         start = pl.multiple_of(i * block_q, block_q)
         tile = pl.ds(start, block_q)
-        q = q_ref[tile, g, :]  # rotated already
-        do = do_ref[tile, g, :]
-        m2 = m2_ref[g, tile]
-        inv_l = inv_l_ref[g, tile]
-        delta = delta_ref[g, tile]
+        q_rows = _gathered_rows(q_info, q_ref, tile)
+        q_at = tile if q_rows is None else q_rows
+        q = q_ref[q_at, g, :]  # rotated already
+        do = do_ref[q_at, g, :]
+        stat_at = q_rows if stats_at else tile
+        m2 = m2_ref[g, stat_at]
+        inv_l = inv_l_ref[g, stat_at]
+        delta = delta_ref[g, stat_at]
         s, t = _scores((q,), (k,), spec, k_major=True)  # [block_k, block_q]
         if spec.alibi:
             slope = slopes_ref[first_head + g]
@@ -308,7 +366,8 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
             rows = (start + jnp.arange(block_q))[None, :]
             q_seg = q_info.get("seg", tile)
             q_seg = None if q_seg is None else q_seg[None, :]
-            s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
+            q_orig = None if q_rows is None else q_info.get("orig", tile)[None, :]
+            s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg, q_orig, kv_orig)
         p = jnp.exp2(s - m2[None, :]) * inv_l[None, :]
         if spec.dropout:  # dV takes the dropped probabilities, dP the same mask and scale
             row_bits = dropout.row_bits(seed_ref, batch_row, first_head + g, num_heads,
@@ -329,6 +388,10 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
 
     carry = (jnp.zeros((block_k, head_dim), jnp.float32),) * 2
     dk, dv = _visit(ranges_ref, body, carry, _needs_mask(st, block_k), stride=group)
+    if st.scatter and kv_rows is not None:  # back to the original rows (no RoPE under an ordering)
+        _put(dk_ref, kv_rows, dk * spec.scale)
+        _put(dv_ref, kv_rows, dv)
+        return
     tiles.store_rotated_back(dk_ref, dk * spec.scale, spec, head_dim, k_cs)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -341,24 +404,31 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
     seed_ref = rest.pop(0) if spec.dropout else None
     (dq_ref,) = rest
-    block_q, head_dim = q_ref.shape
+    block_q, head_dim = st.blocks.block_q_dq, q_ref.shape[-1]
     block_k = st.blocks.block_k_dq
-    q = q_ref[...]  # q, k rotated already: the products take them whole
-    do = do_ref[...]
-    m2 = m2_ref[...][:, None]
-    inv_l = inv_l_ref[...][:, None]
-    delta = delta_ref[...][:, None]
+    q_rows = _gathered_rows(q_info, q_ref)  # under an ordering: the tile's rows in q, dO
+    q_at = ... if q_rows is None else (q_rows, slice(None))
+    q = q_ref[q_at]  # q, k rotated already: the products take them whole
+    do = do_ref[q_at]
+    stat_at = q_rows if q_rows is not None and st.scatter else ...
+    m2 = m2_ref[stat_at][:, None]
+    inv_l = inv_l_ref[stat_at][:, None]
+    delta = delta_ref[stat_at][:, None]
     rows = (pl.program_id(0) * block_q + jnp.arange(block_q))[:, None]
     q_seg = q_info.get("seg")
     q_seg = None if q_seg is None else q_seg[:, None]
+    q_orig = q_info.get("orig")
+    q_orig = None if q_orig is None else q_orig[:, None]
     if spec.dropout:
         row_bits = dropout.row_bits(seed_ref, pl.program_id(1), pl.program_id(2), pl.num_programs(2), rows)
 
     def body(j, dq, masked):
         start = pl.multiple_of(j * block_k, block_k)
         tile = pl.ds(start, block_k)
-        k = k_ref[tile, :]
-        v = v_ref[tile, :]
+        kv_rows = _gathered_rows(kv_info, k_ref, tile)
+        kv_at = tile if kv_rows is None else kv_rows
+        k = k_ref[kv_at, :]
+        v = v_ref[kv_at, :]
         s, t = _scores((q,), (k,), spec)
         if spec.alibi:
             s = s + _alibi(spec, slope, rows, (start + jnp.arange(block_k))[None, :])
@@ -366,7 +436,8 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
             cols = (start + jnp.arange(block_k))[None, :]
             kv_seg = kv_info.get("seg", tile)
             kv_seg = None if kv_seg is None else kv_seg[None, :]
-            s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg)
+            kv_orig = None if kv_rows is None else kv_info.get("orig", tile)[None, :]
+            s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg, q_orig, kv_orig)
         p = jnp.exp2(s - m2) * inv_l
         dp = tiles.dot(do, v, spec, trans_b=True)
         if spec.dropout:
@@ -379,6 +450,9 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
         return dq + tiles.dot(ds.astype(k_ref.dtype), k, spec)
 
     dq = _visit(ranges_ref, body, jnp.zeros((block_q, head_dim), jnp.float32), _needs_mask(st, block_k))
+    if st.scatter and q_rows is not None:  # back to the original rows (no RoPE under an ordering)
+        _put(dq_ref, q_rows, dq * spec.scale)
+        return
     tiles.store_rotated_back(dq_ref, dq * spec.scale, spec, head_dim,
                         None if tables is None else tiles.rope_cos_sin(tables[0]))
 
@@ -386,11 +460,18 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
 def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
               do, m2, inv_l, delta, grad_dtype=None):
     """q is rotated already with RoPE (the forward's output), k is not. grad_dtype: the dtype of
-    dq, dk, dv (default: q's, k's, v's)."""
+    dq, dk, dv (default: q's, k's, v's). Under an ordering q, k, v, dO span whole sequences (rows
+    gathered at the side field "orig"), and with st.scatter the row statistics are in the original
+    order and dq, dk, dv are scattered back to it."""
     batch, q_pad, num_heads, head_dim = q.shape
     kv_pad, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads
     q_head, kv_head, row = _head_maps(st, group)
+    src = _source_batch(st)
+    ordered = st.spec.ordered
+    q_len_in, kv_len_in = q_pad, kv_pad  # rows of the arrays read
+    if ordered:
+        batch, q_pad, kv_pad = batch * st.batch_div, side[0].shape[2], side[1].shape[2]
     blocks = st.blocks
     params = plgpu.CompilerParams(num_warps=blocks.num_warps_bwd, num_stages=blocks.num_stages_bwd)
 
@@ -405,16 +486,23 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
     else:
         programs, per_program = st.rows.programs, 1
         q_group, kv_in = q_head, kv_head
-    q_group_spec = pl.BlockSpec((None, q_pad, None, per_program, head_dim), lambda j, b, h: (b, 0, q_group(h), 0, 0))
+    q_group_spec = pl.BlockSpec((None, q_len_in, None, per_program, head_dim),
+                                lambda j, b, h: (src(b), 0, q_group(h), 0, 0))
     row_group_spec = pl.BlockSpec((None, None, per_program, q_pad), lambda j, b, h: (b, h, 0, 0))
-    kv_in_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, kv_in(h), 0))
-    kv_out_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
+    if ordered:
+        kv_in_spec = pl.BlockSpec((None, kv_len_in, None, head_dim), lambda j, b, h: (src(b), 0, kv_in(h), 0))
+    else:
+        kv_in_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, kv_in(h), 0))
+    if st.scatter:
+        kv_out_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda j, b, h: (b, 0, h, 0))
+    else:
+        kv_out_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
     side_specs, side_args = tiles.side_specs_and_args(side, q_pad, lambda *_: 0, bk, lambda j, b, h: j,
                                                       lambda j, b, h: row(b, h))
     in_specs = [pl.BlockSpec((None, None, 4), lambda j, b, h: (row(b, h) if rb > 1 else 0, j, 0)),
                 q_group_spec, kv_in_spec, kv_in_spec, q_group_spec,
                 row_group_spec, row_group_spec, row_group_spec, *side_specs]
-    as_groups = lambda x: x.reshape(batch, q_pad, num_heads // per_program, per_program, head_dim)
+    as_groups = lambda x: x.reshape(x.shape[0], x.shape[1], num_heads // per_program, per_program, head_dim)
     rows_as_groups = lambda x: x.reshape(batch, programs, per_program, q_pad)
     rotated = st.spec.rope is not None
     kv_shape = (batch, kv_pad, programs, head_dim)
@@ -434,10 +522,17 @@ def _bwd_call(st: _Static, q, k, v, side, dq_ranges, dkdv_ranges,
     bq, bk = blocks.block_q_dq, blocks.block_k_dq
     rb = dq_ranges.shape[0]
     programs = num_heads if st.rows is None else st.rows.programs
-    q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, q_head(h), 0))
-    dq_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-    kv_full_spec = pl.BlockSpec((None, kv_pad, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0))
-    row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    if ordered:
+        q_block_spec = pl.BlockSpec((None, q_len_in, None, head_dim), lambda i, b, h: (src(b), 0, q_head(h), 0))
+    else:
+        q_block_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, q_head(h), 0))
+    if st.scatter:
+        dq_spec = pl.BlockSpec((None, q_pad, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+        row_spec = pl.BlockSpec((None, None, q_pad), lambda i, b, h: (b, h, 0))
+    else:
+        dq_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
+        row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+    kv_full_spec = pl.BlockSpec((None, kv_len_in, None, head_dim), lambda i, b, h: (src(b), 0, kv_head(h), 0))
     side_specs, side_args = tiles.side_specs_and_args(side, bq, lambda i, b, h: i, kv_pad, lambda *_: 0,
                                                       lambda i, b, h: row(b, h))
     in_specs = [pl.BlockSpec((None, None, 4), lambda i, b, h: (row(b, h) if rb > 1 else 0, i, 0)),
@@ -501,16 +596,16 @@ def _flash_bwd(st, residuals, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _side_info(fields, length, seg):
+def _side_info(fields, length, seg, orig=None):
     """[B, fields, length] int32, edge-padded (keeps each block's id interval unchanged)."""
-    rows = [{"seg": seg}[f].astype(jnp.int32) for f in fields]
+    rows = [{"seg": seg, "orig": orig}[f].astype(jnp.int32) for f in fields]
     return padding.pad_axis(jnp.stack(rows, axis=1), 2, length, mode="edge")
 
 
 def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=None, kv_pos=None,
                            blocks: BlockSizes | None = None, interpret: bool | None = None,
                            kernels: str = "triton", mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None,
-                           slopes=None, seed=None):
+                           slopes=None, seed=None, order=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (validated) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]).
 
     Segment ids [B, Sq]/[B, Sk] when spec.has_segments; RoPE positions [B, Sq]/[B, Sk] when
@@ -518,9 +613,21 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     padded keys are masked, padded rows sliced off), so any shape runs on one kernel family.
     kernels="mosaic_gpu" runs the Hopper kernels of `mosaic_gpu` instead, forward and backward
     (raises where they cannot serve the call).
+
+    order: int32 [S] (Sq == Sk, with spec.ordered): the ordering pi, position t of the ordered
+    sequence holding token pi[t]. The tiles are those of the ordered sequence (window and tile
+    skipping on it); every kernel gathers a tile's q, k, v, dO rows at pi[tile] and scatters out,
+    lse, dq, dk, dv back to those rows, so all arrays stay in the original order; causality
+    compares pi values, segment ids are read per original token.
     """
     if kernels not in ("triton", "mosaic_gpu"):
         raise ValueError(f"kernels must be 'triton' or 'mosaic_gpu', got {kernels!r}")
+    if spec.ordered != (order is not None):
+        raise ValueError("an ordered spec needs its order, and an order an ordered spec")
+    if spec.ordered and (kernels != "triton" or spec.rope is not None or spec.alibi or spec.dropout
+                         or spec.offset or q.shape[1] != k.shape[1]):
+        raise NotImplementedError("orderings run on the Triton kernels, self-attention without RoPE, ALiBi, "
+                                  "dropout or offsets")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     batch, q_len, _, head_dim = q.shape
@@ -547,7 +654,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
 
     fields = tiles.info_fields(spec)
     side = [None] * 4
-    if fields:
+    if fields and order is None:
         side[:2] = _side_info(fields, q_pad, q_seg), _side_info(fields, kv_pad, kv_seg)
     if spec.rope is not None and mosaic_blocks is not None:  # (positions arange: angle addition)
         side[2] = mosaic_gpu.rope_tables(spec.rope, head_dim, head_pad, max(q_pad, kv_pad))
@@ -559,13 +666,21 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
                     if spec.alibi else None)
     if spec.dropout:
         side.append(seed)
+    if order is not None:  # the ordered sequence's side fields: ids of its tokens, their positions
+        orig = jnp.concatenate([order.astype(jnp.int32), jnp.arange(q_len, q_pad, dtype=jnp.int32)])
+        orig = jnp.broadcast_to(orig, (batch, q_pad))
+        if spec.has_segments:
+            q_seg, kv_seg = (jnp.take(x, order, axis=1) for x in (q_seg, kv_seg))
+        seg = (lambda x: padding.pad_axis(x, 1, q_pad, mode="edge")) if spec.has_segments else (lambda x: None)
+        side[:2] = _side_info(fields, q_pad, seg(q_seg), orig), _side_info(fields, kv_pad, seg(kv_seg), orig)
     side = tuple(side)
     if spec.has_segments:
         q_seg = padding.pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
         kv_seg = padding.pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad, mode="edge")
 
     st = _Static(spec, blocks, q_len, kv_len, interpret,
-                 rope_arange=spec.rope is not None and q_pos is None, mosaic=mosaic_blocks)
+                 rope_arange=spec.rope is not None and q_pos is None, mosaic=mosaic_blocks,
+                 scatter=order is not None)
 
     def ranges(bq, bk, key_major):  # the Triton kernels' tile walk (the Mosaic kernels derive theirs)
         if mosaic_blocks is not None:
@@ -589,20 +704,36 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
 
 
 def _mapped_setup(q, k, v, q_seg, kv_seg, spec: AttentionSpec, rows: RowMap | None, blocks, interpret,
-                  mosaic_blocks):
-    """Pads the view to the tile grid -> (static, padded q, k, v, side inputs, ranges by kernel)."""
+                  mosaic_blocks, orig=None):
+    """Pads the view to the tile grid -> (static, padded q, k, v, side inputs, ranges by kernel).
+    Under an ordering q, k, v are the unviewed arrays (padded in the head dim only) and `orig`
+    [B' * rate, L] the original row of each virtual sequence's rows (one array for both sides)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    if spec.ordered != (orig is not None):
+        raise ValueError("an ordered spec needs its rows' original positions, and those an ordered spec")
+    if spec.ordered and (mosaic_blocks is not None or spec.rope is not None):
+        raise NotImplementedError("orderings run on the Triton kernels, without RoPE")
+    q_len, kv_len = (q.shape[1], k.shape[1]) if orig is None else (orig.shape[1],) * 2
+    head_dim = q.shape[3]
     head_pad = padded_head_dim(spec, head_dim)
     blocks = (blocks or default_block_sizes(head_pad, interpret, q.dtype)).fitted(q_len, kv_len)
     tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv, blocks.block_k_dkv,
                blocks.block_q_dq, blocks.block_k_dq, *(mosaic_blocks.tiles if mosaic_blocks else ()))
     q_pad, kv_pad = pl.cdiv(q_len, tile) * tile, pl.cdiv(kv_len, tile) * tile
-    pad = lambda x, n: padding.pad_axis(padding.pad_axis(x, 3, head_pad), 1, n)
+    if orig is None:
+        pad = lambda x, n: padding.pad_axis(padding.pad_axis(x, 3, head_pad), 1, n)
+    else:  # rows gathered from the whole sequence: only the head dim is padded
+        pad = lambda x, n: padding.pad_axis(x, 3, head_pad)
     side = [None] * 4
-    if spec.has_segments:
-        fields = tiles.info_fields(spec)
+    fields = tiles.info_fields(spec)
+    if orig is not None:  # ordered self-attention: one side array serves queries and keys
+        seg = padding.pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge") if spec.has_segments else None
+        # padding rows: past the sequence's end (clamped when loaded, never seen)
+        orig = jnp.pad(orig.astype(jnp.int32), ((0, 0), (0, q_pad - q_len)), constant_values=q.shape[1])
+        side[:2] = (_side_info(fields, q_pad, seg, orig),) * 2
+        q_seg = kv_seg = seg
+    elif spec.has_segments:
         if kv_seg is q_seg and q_pad == kv_pad:  # one array serves both sides (a view's ids)
             q_seg = kv_seg = padding.pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
             side[:2] = (_side_info(fields, q_pad, q_seg),) * 2
@@ -610,7 +741,8 @@ def _mapped_setup(q, k, v, q_seg, kv_seg, spec: AttentionSpec, rows: RowMap | No
             q_seg = padding.pad_axis(q_seg.astype(jnp.int32), 1, q_pad, mode="edge")
             kv_seg = padding.pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad, mode="edge")
             side[:2] = _side_info(fields, q_pad, q_seg), _side_info(fields, kv_pad, kv_seg)
-    st = _Static(spec, blocks, q_len, kv_len, interpret, rows=rows, mosaic=mosaic_blocks)
+    batch_div = 1 if orig is None else orig.shape[0] // (rows.rate * q.shape[0])
+    st = _Static(spec, blocks, q_len, kv_len, interpret, rows=rows, mosaic=mosaic_blocks, batch_div=batch_div)
 
     def ranges(bq, bk, key_major):
         return block_ranges(spec, q_len, kv_len, bq, bk, q_pad // bq, kv_pad // bk, q_seg, kv_seg,
@@ -623,7 +755,7 @@ def _mapped_setup(q, k, v, q_seg, kv_seg, spec: AttentionSpec, rows: RowMap | No
 
 def mapped_forward(q, k, v, seg, spec: AttentionSpec, rows: RowMap | None, *, blocks: BlockSizes | None = None,
                    interpret: bool | None = None, out_dtype=None,
-                   mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None, kv_seg=None):
+                   mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None, kv_seg=None, orig=None):
     """Attention over a view read through `rows`: q [B', L, rate * H, D], k/v [B', L, rate * Hkv, D],
     segment ids seg [B' * rate, L] (row `rows.side_row(b, h)`) when spec.has_segments.
     -> out [B', L, P, D] (out_dtype, default q's), m2, inv_l [B', P, L] fp32 (P = rows.programs):
@@ -631,31 +763,41 @@ def mapped_forward(q, k, v, seg, spec: AttentionSpec, rows: RowMap | None, *, bl
     `mosaic_blocks` the Hopper kernels run it (where `mosaic_gpu.unsupported_reason` allows; they
     write out in q's dtype and keep lse2 alone: m2 = lse2, inv_l = 1).
     rows=None: plain attention, q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Sq and Sk may differ), seg
-    the query ids [B, Sq] and kv_seg the keys' [B, Sk] (default seg); P = Hq."""
+    the query ids [B, Sq] and kv_seg the keys' [B, Sk] (default seg); P = Hq.
+
+    Under an ordering (spec.ordered): q [B, S, H, D], k/v [B, S, Hkv, D] unviewed, and orig int32
+    [B' * rate, L] (row `rows.side_row(b, h)`, B' = B * n): the original row of each row of each
+    virtual sequence. The kernels gather every tile's rows from q, k, v at those rows (no view,
+    no permuted copy); causality compares them; the outputs are as above, compact."""
     st, qp, kp, vp, side, (fwd, _, _) = _mapped_setup(q, k, v, seg, seg if kv_seg is None else kv_seg, spec, rows,
-                                                      blocks, interpret, mosaic_blocks)
+                                                      blocks, interpret, mosaic_blocks, orig)
     if mosaic_blocks is not None:
         out, lse2 = mosaic_gpu.flash_forward(qp, kp, vp, spec, st.kv_len, mosaic_blocks, row_map=rows)
         empty = lse2 == -jnp.inf
         m2, inv_l = jnp.where(empty, jnp.inf, lse2), jnp.where(empty, 0.0, 1.0)
     else:
         out, _, m2, inv_l = _fwd_call(st, qp, kp, vp, side, fwd, differentiated=False, out_dtype=out_dtype)
-    length, head_dim = q.shape[1], q.shape[3]
+    length, head_dim = st.q_len, q.shape[3]
     return out[:, :length, :, :head_dim], m2[:, :, :length], inv_l[:, :, :length]
 
 
 def mapped_backward(q, k, v, seg, spec: AttentionSpec, rows: RowMap | None, do, m2, inv_l, delta, *,
                     blocks: BlockSizes | None = None, interpret: bool | None = None,
-                    mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None, kv_seg=None, grad_dtype=None):
+                    mosaic_blocks: mosaic_gpu.MosaicBlockSizes | None = None, kv_seg=None, grad_dtype=None,
+                    orig=None):
     """The backward of `mapped_forward` at given row statistics (m2, inv_l, delta [B', P, L] fp32,
     P = exp2(s2 - m2) * inv_l; delta = rowsum(dO * O) - dlse), dO [B', L, rate * H, D] read through
     `rows` like q. -> dq, dk, dv [B', L, P, D], each program's own (dk, dv per query head).
     rows=None: plain attention as in `mapped_forward`; dk, dv [B, Sk, Hkv, D] (summed over each
-    GQA group in the kernel). grad_dtype: the Triton kernels' gradient dtype (default the inputs')."""
+    GQA group in the kernel). grad_dtype: the Triton kernels' gradient dtype (default the inputs').
+    Under an ordering q, k, v and dO [B, S, H, D] are unviewed and gathered through `orig`, as in
+    `mapped_forward`."""
     st, qp, kp, vp, side, (_, dq_plan, dkdv_plan) = _mapped_setup(q, k, v, seg, seg if kv_seg is None else kv_seg,
-                                                                  spec, rows, blocks, interpret, mosaic_blocks)
-    padded = qp.shape[1]
-    dop = padding.pad_axis(padding.pad_axis(do.astype(q.dtype), 3, qp.shape[3]), 1, padded)
+                                                                  spec, rows, blocks, interpret, mosaic_blocks, orig)
+    padded = qp.shape[1] if orig is None else side[0].shape[2]
+    dop = padding.pad_axis(do.astype(q.dtype), 3, qp.shape[3])
+    if orig is None:
+        dop = padding.pad_axis(dop, 1, padded)
     stat = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, padded - x.shape[2])), constant_values=fill)
     # padded rows: P = exp2(s2 - inf) * 0 = 0
     if mosaic_blocks is not None:  # its P = exp2(s2 - lse2): fold 1 / inv_l into the exponent
@@ -665,5 +807,5 @@ def mapped_backward(q, k, v, seg, spec: AttentionSpec, rows: RowMap | None, do, 
     else:
         dq, dk, dv = _bwd_call(st, qp, kp, vp, side, dq_plan, dkdv_plan, dop, stat(m2, jnp.inf),
                                stat(inv_l, 0.0), stat(delta, 0.0), grad_dtype=grad_dtype)
-    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    q_len, kv_len, head_dim = st.q_len, st.kv_len, q.shape[3]
     return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]

@@ -34,10 +34,11 @@ def _slot_view(x, branch: Branch):
     return x.reshape(B, n, branch.rows, branch.rate * Hx, D)
 
 
-def _branch(q, k, v, branch: Branch, plan: RowMap, num_heads: int, causal: bool, scale: float):
+def _branch(q, k, v, branch: Branch, plan: RowMap, num_heads: int, causal: bool, scale: float, positions=None):
     """The `num_heads` heads that `plan` maps (global heads plan.head_base + h), through one branch
     -> (out [B, S, num_heads, D] in q.dtype, lse [B, num_heads, S]): rows the branch does not keep
-    give out 0, lse -inf."""
+    give out 0, lse -inf. positions: `[S]`, the rows' positions for causality (an ordered
+    sequence's original ones), None: the row indices."""
     B, S, _, D = q.shape
     n, rows, r = branch.num_segments, branch.rows, branch.rate
     device = q.device
@@ -56,8 +57,15 @@ def _branch(q, k, v, branch: Branch, plan: RowMap, num_heads: int, causal: bool,
     ids = (np.arange(rows)[None, None, :] >= kept[:, :, None]).astype(np.int64)
     ids = torch.tensor(np.broadcast_to(ids[None], (B, n, num_heads, rows))).reshape(-1, rows)
     ids = ids.to(device)
-    o, lse = softmax_ref.attention(gather(q, q_slots), gather(k, kv_slots), gather(v, kv_slots),
-                                   causal=causal, scale=scale, q_ids=ids, kv_ids=ids)
+    if positions is None:
+        o, lse = softmax_ref.attention(gather(q, q_slots), gather(k, kv_slots), gather(v, kv_slots),
+                                       causal=causal, scale=scale, q_ids=ids, kv_ids=ids)
+    else:  # each virtual sequence's rows' positions, as the rows are gathered
+        pos = positions.to(device)[None, :, None, None].expand(B, S, 1, 1).to(torch.float64)
+        pos = _slot_view(pos, branch)[:, :, :, torch.from_numpy(offsets).to(device)]  # [B, n, rows, heads, 1]
+        pos = pos.permute(0, 1, 3, 2, 4).reshape(B * n * num_heads, rows).to(torch.int64)
+        o, lse = softmax_ref.attention(gather(q, q_slots), gather(k, kv_slots), gather(v, kv_slots),
+                                       causal=causal, scale=scale, q_ids=ids, kv_ids=ids, orig=pos)
 
     # Back to the original rows: kept row m of head h sits at slot offset(h) of padded row m * r.
     own = torch.from_numpy(np.arange(r)[:, None] == offsets[None, :]).to(device)  # [r, heads]
@@ -90,7 +98,7 @@ def _merge_lse(outs, lses):
     return out, lse
 
 
-def attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: str, scale: float):
+def attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: str, scale: float, positions=None):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D] (query head h reads kv head h // (Hq / Hkv)) ->
     (out [B, S, Hq, D] in q.dtype, lse [B, Hq, S]; float32 for 16-bit inputs, float64 for float64).
 
@@ -106,12 +114,12 @@ def attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: 
     Hkv = k.shape[2]
     parts = branches(lengths, rates, S)
     if merge == "lse":
-        results = [_branch(q, k, v, b, head_plan(merge, Hq, len(parts), i, b.rate, Hkv), Hq, causal, scale)
+        results = [_branch(q, k, v, b, head_plan(merge, Hq, len(parts), i, b.rate, Hkv), Hq, causal, scale, positions)
                    for i, b in enumerate(parts)]
         out, lse = _merge_lse([o for o, _ in results], [l for _, l in results])
         return out.to(q.dtype), lse
     # head_groups: group i (heads i * size .. (i + 1) * size - 1) runs branch i alone.
     size = Hq // len(parts)
-    results = [_branch(q, k, v, b, head_plan(merge, Hq, len(parts), i, b.rate, Hkv), size, causal, scale)
+    results = [_branch(q, k, v, b, head_plan(merge, Hq, len(parts), i, b.rate, Hkv), size, causal, scale, positions)
                for i, b in enumerate(parts)]
     return torch.cat([o for o, _ in results], dim=2), torch.cat([l for _, l in results], dim=1)

@@ -29,6 +29,11 @@ with c = sum_k 1 / r_k (the compact branch results together: 1.75 for rates 1, 2
 The branches' compact fp32 gradients live together until the gathers (3c full-size at the peak,
 MHA). The kernels are deterministic (no atomics; each output element has one program).
 
+Under an ordering pi (docs/design/orderings.md) the segments are cut from the ordered sequence:
+no slot view exists; each branch's kernels gather their rows from q, k, v at pi[seg * w + m * r +
+offset] (the engine's ORDERED mode, `_orig`), and the merge kernels take full row s from ordered
+position inv[s] of the compact branch results (INV), so the traffic above is unchanged.
+
 Layout BSHD: q `[B, S, H, D]`, k / v `[B, S, Hkv, D]`; lse `[B, H, S]` float32.
 Importing this module imports triton (see `torch_ref.ops.softmax.triton`).
 """
@@ -202,26 +207,37 @@ def _row_sum(inv_l, kept):
 
 
 @triton.jit
+def _ordered_rows(INV, s, s_ok, ORDERED: tl.constexpr):
+    """The rows of the branches' (ordered) sequence holding full rows s: inv[s] under an ordering."""
+    if ORDERED:
+        return tl.load(INV + s, mask=s_ok, other=0).to(tl.int64)
+    else:
+        return s
+
+
+@triton.jit
 def _merge_kernel(OUT, LSE, O, M2, INV_L, BRANCH_LSE, MERGED_INV_L, PAIRS, S, sob, sos, soh, sod, slb, slh, sls,
-                  O_STRIDES, STAT_STRIDES, GEOMETRY: tl.constexpr, MERGE_LSE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  O_STRIDES, STAT_STRIDES, INV, GEOMETRY: tl.constexpr, MERGE_LSE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr):
     """The forward merge of query head h at rows s: O_i [B', rows, heads, D] fp32 and the stats
     [B', heads, rows] of the branches that keep each row (PAIRS [K, H, 1, 2]) -> OUT in its dtype,
     LSE [B, H, S]. MERGE_LSE: M = max_i m2_i, a_i = 2^(m2_i - M), L = sum_i a_i / inv_l_i, out =
     sum_i (a_i / inv_l_i / L) o_i, lse = (M + log2 L) ln 2 (-inf, out 0 where no branch sees a
     key), and MERGED_INV_L_i = a_i / L at the branch's compact rows (its backward's inv_l). Else
-    (head groups, one branch per head): out = o_i, lse = BRANCH_LSE_i, 0 / -inf where none."""
+    (head groups, one branch per head): out = o_i, lse = BRANCH_LSE_i, 0 / -inf where none.
+    ORDERED: the branches hold full row s at ordered position INV[s]."""
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     s_ok = s < S
     d_ok = d < HEAD_DIM
+    t = _ordered_rows(INV, s, s_ok, ORDERED)
     acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
     if MERGE_LSE:
         M = tl.full((BLOCK_S,), float("-inf"), tl.float32)
         for i in tl.static_range(len(GEOMETRY)):
-            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, t, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
                                      GEOMETRY[i][2])
             st = bp * STAT_STRIDES[i][0] + c * STAT_STRIDES[i][1] + m * STAT_STRIDES[i][2]
             m2, _, _ = _branch_stats(M2[i], INV_L[i], st, keep)
@@ -229,7 +245,7 @@ def _merge_kernel(OUT, LSE, O, M2, INV_L, BRANCH_LSE, MERGED_INV_L, PAIRS, S, so
         M = tl.where(M == float("-inf"), 0.0, M)  # rows kept by none: M = 0, L = 0
         L = tl.zeros((BLOCK_S,), dtype=tl.float32)
         for i in tl.static_range(len(GEOMETRY)):
-            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, t, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
                                      GEOMETRY[i][2])
             st = bp * STAT_STRIDES[i][0] + c * STAT_STRIDES[i][1] + m * STAT_STRIDES[i][2]
             m2, inv_l, kept = _branch_stats(M2[i], INV_L[i], st, keep)
@@ -237,7 +253,7 @@ def _merge_kernel(OUT, LSE, O, M2, INV_L, BRANCH_LSE, MERGED_INV_L, PAIRS, S, so
         seen = L > 0
         L = tl.where(seen, L, 1.0)
         for i in tl.static_range(len(GEOMETRY)):
-            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, t, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
                                      GEOMETRY[i][2])
             st = bp * STAT_STRIDES[i][0] + c * STAT_STRIDES[i][1] + m * STAT_STRIDES[i][2]
             m2, inv_l, kept = _branch_stats(M2[i], INV_L[i], st, keep)
@@ -249,7 +265,7 @@ def _merge_kernel(OUT, LSE, O, M2, INV_L, BRANCH_LSE, MERGED_INV_L, PAIRS, S, so
     else:
         lse = tl.full((BLOCK_S,), float("-inf"), tl.float32)
         for i in tl.static_range(len(GEOMETRY)):
-            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+            bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, t, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
                                      GEOMETRY[i][2])
             st = bp * STAT_STRIDES[i][0] + c * STAT_STRIDES[i][1] + m * STAT_STRIDES[i][2]
             lse = tl.maximum(lse, tl.load(BRANCH_LSE[i] + st, mask=keep, other=float("-inf")))
@@ -260,9 +276,9 @@ def _merge_kernel(OUT, LSE, O, M2, INV_L, BRANCH_LSE, MERGED_INV_L, PAIRS, S, so
 
 
 @triton.jit
-def _gather_kernel(OUT, SRC, PAIRS, S, sob, sos, soh, sod, SRC_STRIDES, GEOMETRY: tl.constexpr,
+def _gather_kernel(OUT, SRC, PAIRS, S, sob, sos, soh, sod, SRC_STRIDES, INV, GEOMETRY: tl.constexpr,
                    NUM_PAIRS: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, ORDERED: tl.constexpr):
     """OUT[b, s, g] = the sum over branches i and the pairs (c, o) of head g (PAIRS [K, G, WIDTH,
     2]) whose offset o is row s's slot of SRC_i[b', m, c] (fp32), stored once in OUT's dtype; 0
     where no branch keeps the row."""
@@ -272,10 +288,11 @@ def _gather_kernel(OUT, SRC, PAIRS, S, sob, sos, soh, sod, SRC_STRIDES, GEOMETRY
     d = tl.arange(0, BLOCK_D)
     s_ok = s < S
     d_ok = d < HEAD_DIM
+    t = _ordered_rows(INV, s, s_ok, ORDERED)
     acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
     for i in tl.static_range(len(GEOMETRY)):
         for j in tl.static_range(tl.constexpr(NUM_PAIRS[i])):
-            bp, m, c, keep = _locate(PAIRS, i, g, j, WIDTH, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1], GEOMETRY[i][2])
+            bp, m, c, keep = _locate(PAIRS, i, g, j, WIDTH, t, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1], GEOMETRY[i][2])
             acc += _compact_rows(SRC[i], SRC_STRIDES[i], bp, m, c, d, keep, d_ok)
     tl.store(OUT + b * sob + s[:, None] * sos + g * soh + d[None, :] * sod, acc.to(OUT.dtype.element_ty),
              mask=s_ok[:, None] & d_ok[None, :])
@@ -283,8 +300,8 @@ def _gather_kernel(OUT, SRC, PAIRS, S, sob, sos, soh, sod, SRC_STRIDES, GEOMETRY
 
 @triton.jit
 def _delta_kernel(DO, O, DLSE, DELTA, PAIRS, S, sdob, sdos, sdoh, sdod, sob, sos, soh, sod, slb, slh, sls,
-                  DELTA_STRIDES, GEOMETRY: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  DELTA_STRIDES, INV, GEOMETRY: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr):
     """delta = rowsum(dO * O) - dlse (fp32) of query head h at rows s, stored compact into every
     branch that keeps the row: DELTA_i[b', c, m] for the pair (c, o) of h (PAIRS [K, H, 1, 2])."""
     h = tl.program_id(1)
@@ -298,8 +315,9 @@ def _delta_kernel(DO, O, DLSE, DELTA, PAIRS, S, sdob, sdos, sdoh, sdod, sob, sos
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + b * slb + h * slh + s * sls, mask=s_ok, other=0.0)
+    t = _ordered_rows(INV, s, s_ok, ORDERED)
     for i in tl.static_range(len(GEOMETRY)):
-        bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, s, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
+        bp, m, c, keep = _locate(PAIRS, i, h, 0, 1, t, b, s_ok, GEOMETRY[i][0], GEOMETRY[i][1],
                                  GEOMETRY[i][2])
         tl.store(DELTA[i] + bp * DELTA_STRIDES[i][0] + c * DELTA_STRIDES[i][1] + m * DELTA_STRIDES[i][2], delta,
                  mask=keep)
@@ -318,83 +336,111 @@ def _strides(tensors) -> tuple:
     return tuple(tuple(x.stride()) for x in tensors)
 
 
-def _merge(out, lse, results, plan: _Plan, merged_inv_l) -> None:
+def _inv_args(inv, out):
+    """(INV, ORDERED) of the merge kernels: the inverse permutation, or a dummy never read."""
+    if inv is None:
+        return torch.zeros(1, dtype=torch.int32, device=out.device), False
+    return inv, True
+
+
+def _merge(out, lse, results, plan: _Plan, merged_inv_l, inv=None) -> None:
     """Fills out [B, S, H, D] and lse [B, H, S] from the branches' (o, lse, m2, inv_l); with
     merged_inv_l (a list, the LSE merge) those too, else one branch per head (head groups)."""
     outs, lses, m2s, inv_ls = zip(*results)  # the statistics (and merged_inv_l) share one layout
     merge_lse = merged_inv_l is not None
+    inv, ordered = _inv_args(inv, out)
     with device_ctx(out):
         _merge_kernel[_grid(out)](
             out, lse, outs, m2s, inv_ls, lses, tuple(merged_inv_l) if merge_lse else lses, _tables(plan, out.device)[0],
-            out.shape[1], *out.stride(), *lse.stride(), _strides(outs), _strides(inv_ls), GEOMETRY=plan.geometry,
-            MERGE_LSE=merge_lse, **_launch_args(out))
+            out.shape[1], *out.stride(), *lse.stride(), _strides(outs), _strides(inv_ls), inv, GEOMETRY=plan.geometry,
+            MERGE_LSE=merge_lse, ORDERED=ordered, **_launch_args(out))
 
 
-def _gather(out: torch.Tensor, srcs, plan: _Plan, kv: bool) -> torch.Tensor:
+def _gather(out: torch.Tensor, srcs, plan: _Plan, kv: bool, inv=None) -> torch.Tensor:
     """out [B, S, n, D] (any dtype) = the branches' compact srcs [B', rows, heads, D] (fp32) summed
     at the full rows and heads they hold (kv: the kv heads the compact dk / dv heads add into)."""
     table = _tables(plan, out.device)[1 if kv else 0]
+    inv, ordered = _inv_args(inv, out)
     with device_ctx(out):
         _gather_kernel[_grid(out)](
-            out, tuple(srcs), table, out.shape[1], *out.stride(), _strides(srcs), GEOMETRY=plan.geometry,
-            NUM_PAIRS=plan.kv_counts if kv else plan.q_counts, WIDTH=table.shape[2], **_launch_args(out))
+            out, tuple(srcs), table, out.shape[1], *out.stride(), _strides(srcs), inv, GEOMETRY=plan.geometry,
+            NUM_PAIRS=plan.kv_counts if kv else plan.q_counts, WIDTH=table.shape[2], ORDERED=ordered,
+            **_launch_args(out))
     return out
 
 
-def _deltas(dout, out, dlse, plan: _Plan, deltas) -> None:
+def _deltas(dout, out, dlse, plan: _Plan, deltas, inv=None) -> None:
     """Fills the branches' compact deltas [B', heads, rows] (fp32) with rowsum(dO * O) - dlse."""
     dlse_args = (dlse, *dlse.stride()) if dlse is not None else (out, 0, 0, 0)  # a dummy, never read
+    inv, ordered = _inv_args(inv, out)
     with device_ctx(out):
         _delta_kernel[_grid(out)](
             dout, out, dlse_args[0], tuple(deltas), _tables(plan, out.device)[0], out.shape[1], *dout.stride(),
-            *out.stride(), *dlse_args[1:], _strides(deltas), GEOMETRY=plan.geometry, HAS_DLSE=dlse is not None,
-            **_launch_args(out))
+            *out.stride(), *dlse_args[1:], _strides(deltas), inv, GEOMETRY=plan.geometry, HAS_DLSE=dlse is not None,
+            ORDERED=ordered, **_launch_args(out))
 
 
 # ----------------------------------------------------------------------------------------------
 # Forward and backward
 # ----------------------------------------------------------------------------------------------
-def _branch_inputs(plan: _BranchPlan, q, k, v):
+def _orig(br: Branch, perm: torch.Tensor, batch: int) -> torch.Tensor:
+    """int32 [B * num_segments * rate, rows]: the original row of row m of virtual sequence
+    (b, seg, offset) of the ordered sequence, perm[seg * w + m * r + offset]; padding rows get
+    positions past the end (S + p: never visible under causality, clamped when loaded)."""
+    m = torch.arange(br.rows, device=perm.device)[None, None, :] * br.rate + \
+        torch.arange(br.rate, device=perm.device)[None, :, None]
+    p = torch.arange(br.num_segments, device=perm.device)[:, None, None] * br.segment + m  # [n, r, rows]
+    real = (m < br.segment) & (p < br.seq_len)
+    orig = torch.where(real, perm[torch.where(real, p, 0)], br.seq_len + p).to(torch.int32)
+    return orig.expand(batch, *orig.shape).reshape(-1, br.rows).contiguous()
+
+
+def _branch_inputs(plan: _BranchPlan, q, k, v, perm=None):
+    """(q, k, v of the branch, its segment ids, the engine's gather argument): the slot views, or
+    under an ordering the whole arrays with the rows' original positions."""
     br = plan.branch
     ids = _segment_ids(br, q.shape[0], q.device) if br.padded else None
-    return _slot_view(q, br), _slot_view(k, br), _slot_view(v, br), ids
+    if perm is not None:
+        return q, k, v, ids, (_orig(br, perm, q.shape[0]), False, br.num_segments)
+    return _slot_view(q, br), _slot_view(k, br), _slot_view(v, br), ids, None
 
 
-def _forward(q, k, v, plan: _Plan, *, causal, merge, scale, config):
+def _forward(q, k, v, plan: _Plan, *, causal, merge, scale, config, perm=None, inv=None):
     """-> (out [B, S, H, D] in q.dtype, lse [B, H, S] fp32, per-branch backward stats)."""
     B, S, H, D = q.shape
     results = []
     for p in plan.branches:
-        qv, kv, vv, ids = _branch_inputs(p, q, k, v)
+        qv, kv, vv, ids, gather = _branch_inputs(p, q, k, v, perm)
         o, lse, (m2, inv_l) = engine.forward(qv, kv, vv, causal=causal, scale=scale, q_ids=ids, kv_ids=ids,
                                              config=config, row_map=p.row_map, grid_heads=p.heads,
-                                             out_dtype=torch.float32)
+                                             out_dtype=torch.float32, gather=gather)
         results.append((o, lse, m2, inv_l))
     out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     if merge == "head_groups":  # one branch per head: its rows, zeros (lse -inf) elsewhere
-        _merge(out, lse, results, plan, None)
+        _merge(out, lse, results, plan, None, inv)
         return out, lse, [(m2, inv_l) for (_, _, m2, inv_l) in results]
     # the backward's P = 2^(s2 - m2_k) * 2^(m2_k - M) / L: inv_l of the merged softmax, compact
     merged_inv_l = [_compact_stat(inv_l, p.branch) for p, (_, _, _, inv_l) in zip(plan.branches, results)]
-    _merge(out, lse, results, plan, merged_inv_l)
+    _merge(out, lse, results, plan, merged_inv_l, inv)
     return out, lse, [(m2, mi) for (_, _, m2, _), mi in zip(results, merged_inv_l)]
 
 
-def _backward(dout, dlse, q, k, v, out, plan: _Plan, stats, *, causal, scale, config):
+def _backward(dout, dlse, q, k, v, out, plan: _Plan, stats, *, causal, scale, config, perm=None, inv=None):
     deltas = [_compact_stat(inv_l, p.branch) for p, (_, inv_l) in zip(plan.branches, stats)]
-    _deltas(dout, out, dlse, plan, deltas)
+    _deltas(dout, out, dlse, plan, deltas, inv)
     grads = []
     for p, (m2, inv_l), delta in zip(plan.branches, stats, deltas):
         br = p.branch
-        qv, kv, vv, ids = _branch_inputs(p, q, k, v)
-        grads.append(engine.backward(_slot_view(dout, br), qv, kv, vv, None, (m2, inv_l), causal=causal,
-                                     scale=scale, q_ids=ids, kv_ids=ids, config=config, delta=delta,
-                                     row_map=p.row_map, grid_heads=p.heads, grad_dtype=torch.float32))
+        qv, kv, vv, ids, gather = _branch_inputs(p, q, k, v, perm)
+        grads.append(engine.backward(dout if perm is not None else _slot_view(dout, br), qv, kv, vv, None,
+                                     (m2, inv_l), causal=causal, scale=scale, q_ids=ids, kv_ids=ids, config=config,
+                                     delta=delta, row_map=p.row_map, grid_heads=p.heads, grad_dtype=torch.float32,
+                                     gather=gather))
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-    _gather(dq, [g[0] for g in grads], plan, kv=False)
-    _gather(dk, [g[1] for g in grads], plan, kv=True)
-    _gather(dv, [g[2] for g in grads], plan, kv=True)
+    _gather(dq, [g[0] for g in grads], plan, kv=False, inv=inv)
+    _gather(dk, [g[1] for g in grads], plan, kv=True, inv=inv)
+    _gather(dv, [g[2] for g in grads], plan, kv=True, inv=inv)
     return dq, dk, dv
 
 
@@ -402,12 +448,18 @@ class DilatedAttentionFn(torch.autograd.Function):
     """Triton forward + backward of dilated attention. Outputs (out, lse); both differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, segment_lengths, dilation_rates, causal, merge, scale, config=None):
+    def forward(ctx, q, k, v, segment_lengths, dilation_rates, causal, merge, scale, config=None, order=None):
         plan = _plan(segment_lengths, dilation_rates, q.shape[1], merge, q.shape[2], k.shape[2])
-        out, lse, stats = _forward(q, k, v, plan, causal=causal, merge=merge, scale=scale, config=config)
+        perm = inv = None
+        if order is not None:  # the permutation and its inverse, int32 on q's device
+            perm = order.to(q.device, torch.int32)
+            inv = torch.empty_like(perm)
+            inv[perm.long()] = torch.arange(perm.shape[0], dtype=torch.int32, device=q.device)
+        out, lse, stats = _forward(q, k, v, plan, causal=causal, merge=merge, scale=scale, config=config, perm=perm,
+                                   inv=inv)
         ctx.save_for_backward(q, k, v, out, *(t for s in stats for t in s))
         ctx.plan = plan
-        ctx.opts = dict(causal=causal, scale=scale, config=config)
+        ctx.opts = dict(causal=causal, scale=scale, config=config, perm=perm, inv=inv)
         return out, lse
 
     @staticmethod
@@ -418,19 +470,20 @@ class DilatedAttentionFn(torch.autograd.Function):
             dout = torch.zeros_like(out)
         with torch.no_grad():
             dq, dk, dv = _backward(dout, dlse, q, k, v, out, ctx.plan, stats, **ctx.opts)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: str, scale: float,
-                             config: BlockSizes | None = None):
+                             config: BlockSizes | None = None, order=None):
     """q [B, S, H, D], k / v [B, S, Hkv, D] -> (out [B, S, H, D] in q.dtype, lse [B, H, S] fp32).
 
     Dilated attention over checked arguments (`attn_spec.dilation.check_config`, the q / k / v
     checks of `torch_ref.ops.common.validation`); see `torch_ref.dilated_attention`. Differentiable
-    in q, k, v (a cotangent on lse included).
+    in q, k, v (a cotangent on lse included). order: int [S], an ordering whose ordered sequence
+    the segments are cut from (rows gathered in the kernels).
     """
     if q.numel() == 0:  # no rows (or no batch): nothing to attend; gradients are zeros
         B, S, H, _ = q.shape
         return q * 0, torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device)
     return DilatedAttentionFn.apply(q, k, v, tuple(segment_lengths), tuple(dilation_rates), causal, merge, scale,
-                                    config)
+                                    config, order)

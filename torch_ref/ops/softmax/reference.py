@@ -17,31 +17,36 @@ from ..common import dropout as drop
 from ..common.rope import apply_rope
 
 
-def visibility(Sq: int, Sk: int, *, causal: bool, window, q_ids, kv_ids, device) -> torch.Tensor:
-    """Boolean mask `[B or 1, Sq, Sk]`: query i sees key j."""
+def visibility(Sq: int, Sk: int, *, causal: bool, window, q_ids, kv_ids, device, orig=None) -> torch.Tensor:
+    """Boolean mask `[B or 1, Sq, Sk]`: query i sees key j. orig: the rows' original positions
+    `[S]` or `[B, S]` when they are an ordered sequence's (Sq == Sk): causality compares those."""
     i = torch.arange(Sq, device=device)[:, None]
     j = torch.arange(Sk, device=device)[None, :]
     vis = torch.ones(Sq, Sk, dtype=torch.bool, device=device)
-    if causal:
+    if causal and orig is None:
         vis = vis & (j <= i)
     if window is not None:
         left, right = window
         vis = vis & (j >= i - left) & (j <= i + right)
     vis = vis[None]
+    if causal and orig is not None:
+        orig = orig.reshape(-1, Sq)
+        vis = vis & (orig[:, None, :] <= orig[:, :, None])
     if q_ids is not None:
         vis = vis & (q_ids[:, :, None] == kv_ids[:, None, :])
     return vis
 
 
 def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
-              rope=None, q_pos=None, kv_pos=None, alibi=None, dropout=None):
+              rope=None, q_pos=None, kv_pos=None, alibi=None, dropout=None, orig=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq]).
 
     Inputs are assumed validated (see torch_ref.ops.common.validation). Rows with no visible key give out 0 and
     lse -inf, with zero (never NaN) gradients. rope: a `Rope` (then q_pos [B, Sq] and kv_pos
     [B, Sk] are the integer positions of q and k) or None. alibi: (slopes [Hq], offset) or None:
     scores get -slope_h |i + offset - j|. dropout: (rate, (s0, s1)) (the seed words of
-    `attn_spec.dropout`) or None.
+    `attn_spec.dropout`) or None. orig: `[S]` (Sq == Sk), the rows' original positions in an
+    ordered sequence (or `[B, S]`), for causality.
     """
     if rope is not None:
         q = apply_rope(q, q_pos, rope)
@@ -51,7 +56,7 @@ def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, w
     group = Hq // Hkv
     stat = torch.float64 if q.dtype == torch.float64 else torch.float32
 
-    vis = visibility(Sq, Sk, causal=causal, window=window, q_ids=q_ids, kv_ids=kv_ids, device=q.device)
+    vis = visibility(Sq, Sk, causal=causal, window=window, q_ids=q_ids, kv_ids=kv_ids, device=q.device, orig=orig)
     vis = vis.expand(B, Sq, Sk)
     # Zero keys/values no query can see, and queries that see nothing: whatever they hold
     # (NaN, inf, garbage padding) would otherwise reach other rows through 0 * x in the matmuls.

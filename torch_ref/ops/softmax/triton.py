@@ -42,11 +42,21 @@ probabilities for dV and masks and scales dP; dQ masks and scales dP; dS = P * (
 delta_i = sum_d dO_i O_i - dlse_i as without dropout. DROPOUT = 0 (the default) compiles none of
 it, and the seeds are then None (constexprs): the kernels are those without dropout.
 
+Orderings (constexprs ORDERED, SCATTER; ORIG, its strides, Ssrc and BATCH_DIV;
+docs/design/orderings.md): the tiles are those of an ordered sequence whose row t is token
+ORIG[bs, t] of q, k, v (whole [B, Ssrc, H, D] arrays, batch row b // BATCH_DIV, global heads), so
+every load gathers its rows through ORIG (clamped to Ssrc - 1: padding rows of a row map carry
+positions past the end); the window compares ordered positions, causality the ORIG values.
+SCATTER: out, lse, the statistics and dq, dk, dv live in the original order and are stored at
+those rows (flash attention); else compact, in the ordered layout (a row map's branches). ORDERED
+= False (the default) compiles none of it.
+
 Importing this module imports triton: the interpreter (`TRITON_INTERPRET=1`) must be chosen in
 the environment before that happens.
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
@@ -150,13 +160,16 @@ def _scores(qk, score_mul, cap_mul, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _visible(qi, kj, Sq, Sk, qs, ks, left, right, POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-             HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr):
+             HAS_WINDOW: tl.constexpr, HAS_SEGMENTS: tl.constexpr, qo=0, ko=0, ORDERED: tl.constexpr = False):
     """Visibility of key kj to query qi; the operands are pre-broadcast 2-D index tiles
     ([M, 1] x [1, N] or transposed), so the same helper serves both tile orientations.
-    Rows/keys past the sequence ends are always invisible (keeps them out of row/col tests)."""
+    Rows/keys past the sequence ends are always invisible (keeps them out of row/col tests).
+    ORDERED: qi, kj are ordered positions and qo, ko the original ones, which causality compares."""
     vis = (qi < Sq) & (kj < Sk)
     if POSITIONAL:
-        if IS_CAUSAL:
+        if IS_CAUSAL and ORDERED:
+            vis = vis & (ko <= qo)
+        elif IS_CAUSAL:
             vis = vis & (kj <= qi)
         if HAS_WINDOW:
             vis = vis & (kj >= qi - left) & (kj <= qi + right)
@@ -167,10 +180,20 @@ def _visible(qi, kj, Sq, Sk, qs, ks, left, right, POSITIONAL: tl.constexpr, IS_C
 
 @triton.jit
 def _row_map(h, b, GROUP, RATE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_BASE: tl.constexpr,
-             FIXED_OFFSET: tl.constexpr):
+             FIXED_OFFSET: tl.constexpr, ORDERED: tl.constexpr = False):
     """(q head slot, kv head slot, segment-id row) of grid head h in batch row b (see the module
-    docstring). The identity map returns (h, h // GROUP, b) and emits nothing more."""
-    if RATE == 1 and HEAD_BASE == 0:
+    docstring). The identity map returns (h, h // GROUP, b) and emits nothing more. ORDERED: the
+    rows are gathered from the unviewed arrays, so the heads are the global ones."""
+    if ORDERED:
+        g = HEAD_BASE + h
+        if FIXED_OFFSET >= 0:
+            o = FIXED_OFFSET
+        else:
+            o = g % RATE
+        hq = g
+        hk = g // GROUP
+        bs = b * RATE + o
+    elif RATE == 1 and HEAD_BASE == 0:
         hq = h
         hk = h // GROUP
         bs = b
@@ -188,10 +211,19 @@ def _row_map(h, b, GROUP, RATE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.
 
 @triton.jit
 def _kv_row_map(hk, b, GROUP, RATE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_BASE: tl.constexpr,
-                FIXED_OFFSET: tl.constexpr):
+                FIXED_OFFSET: tl.constexpr, ORDERED: tl.constexpr = False):
     """(kv head slot, segment-id row) of the dK/dV kernel's grid kv head hk when its whole GQA group
-    shares one offset (the host checks that); the identity returns (hk, b)."""
-    if RATE == 1 and HEAD_BASE == 0:
+    shares one offset (the host checks that); the identity returns (hk, b). ORDERED: the global
+    kv head (rows gathered from the unviewed arrays)."""
+    if ORDERED:
+        g0 = HEAD_BASE + hk * GROUP
+        if FIXED_OFFSET >= 0:
+            o = FIXED_OFFSET
+        else:
+            o = g0 % RATE
+        hk_slot = HEAD_BASE // GROUP + hk
+        bs = b * RATE + o
+    elif RATE == 1 and HEAD_BASE == 0:
         hk_slot = hk
         bs = b
     else:
@@ -206,6 +238,17 @@ def _kv_row_map(hk, b, GROUP, RATE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_B
 
 
 @triton.jit
+def _gathered(orig_base, sors, idx, ok, Ssrc, ORDERED: tl.constexpr):
+    """(rows read, original positions) of ordered positions idx: the ORIG entries, clamped into the
+    source's Ssrc rows; without an ordering (idx, idx)."""
+    if ORDERED:
+        o = tl.load(orig_base + idx * sors, mask=ok, other=0)
+        return tl.minimum(o, Ssrc - 1), o
+    else:
+        return idx, idx
+
+
+@triton.jit
 def _visited(RANGES, block):
     """(lo, plain_lo, plain_hi, hi) of `block` in the visit plan (`attn_spec.visit.block_table`)."""
     row = RANGES + block * 4
@@ -215,17 +258,19 @@ def _visited(RANGES, block):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, sks_s, skp_s,
                theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff,
-               drop_rows, blk_lo, blk_hi,
+               drop_rows, blk_lo, blk_hi, ko_base, sors, Ssrc, qo,
                BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
                ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr):
+               DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr, ORDERED: tl.constexpr):
     """With ROPE, q and q2 are the rotated pair halves of the query tile; otherwise q is the tile.
-    With DROPOUT, drop_rows are the query rows' dropout bits ([BLOCK_M, 1])."""
+    With DROPOUT, drop_rows are the query rows' dropout bits ([BLOCK_M, 1]). ORDERED: key rows
+    gathered through ORIG (ko_base), qo the query rows' original positions ([BLOCK_M, 1])."""
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < Sk
+        krow, ko = _gathered(ko_base, sors, cols, n_ok, Ssrc, ORDERED)
         # Interior blocks lie inside [0, Sk): no bounds check on their loads.
         if ROPE:
             kT, kT2 = load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
@@ -233,18 +278,18 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
             qk = tl.dot(q, kT, input_precision=PRECISION)
             qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
         else:
-            kT = load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
+            kT = load_2d(k_base + offs_d[:, None] * skd + krow[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
             qk = tl.dot(q, kT, input_precision=PRECISION)
         s2, t = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
         if HAS_ALIBI:  # -slope |i + offset - j|, in log2 units
             s2 = s2 - slope2 * tl.abs(offs_m[:, None] + aoff - cols[None, :]).to(tl.float32)
-        v = load_2d(v_base + cols[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, POSITIONAL, CHECK_D)
+        v = load_2d(v_base + krow[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, POSITIONAL, CHECK_D)
         if POSITIONAL or HAS_SEGMENTS:
             ks = 0
             if HAS_SEGMENTS:
                 ks = tl.load(ks_base + cols * sks_s, mask=n_ok, other=0)[None, :]
             vis = _visible(offs_m[:, None], cols[None, :], Sq, Sk, qs, ks, left, right, POSITIONAL,
-                           IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS)
+                           IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, qo, ko[None, :], ORDERED)
             s2 = tl.where(vis, s2, float("-inf"))
             # A key no row of the tile sees must not reach the PV product: 0 * NaN = NaN.
             col_ok = tl.max(vis.to(tl.int32), axis=0) > 0
@@ -268,20 +313,25 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
                 sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
                 Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right, aoff, seed0, seed1,
+                ORIG, sorb, sors, Ssrc, BATCH_DIV,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
                 ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
                 RATE: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
                 HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1, DROPOUT: tl.constexpr = 0.0,
-                DROP_THRESHOLD: tl.constexpr = 0):
+                DROP_THRESHOLD: tl.constexpr = 0, ORDERED: tl.constexpr = False, SCATTER: tl.constexpr = False):
     """grid (cdiv(Sq, BLOCK_M), Hq, B). Writes O [B, Sq, Hq, D]; LSE, M2, INV_L [B, Hq, Sq].
     With ROPE: THETA [D/2] fp32, QPOS [B, Sq], KPOS [B, Sk] integer positions. With a row map, Hq
-    is the grid's head count and Q, K, V are slot views (the module docstring)."""
+    is the grid's head count and Q, K, V are slot views (the module docstring). ORDERED / SCATTER:
+    rows gathered through ORIG (the module docstring)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    hq, hk, bs = _row_map(h, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
+    hq, hk, bs = _row_map(h, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET, ORDERED)
+    bsrc = b  # the batch row of q, k, v
+    if ORDERED:
+        bsrc = b // BATCH_DIV
     hk = hk.to(tl.int64)
     slope2 = 0.0  # ALiBi slope of this head, times log2(e)
     if HAS_ALIBI:
@@ -296,8 +346,10 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
+    orig_base = ORIG + bs * sorb
+    qrow, qo = _gathered(orig_base, sors, offs_m, m_ok, Ssrc, ORDERED)
 
-    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + hq * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
+    q, q2, offs_h, h_ok, theta = load_own(Q + bsrc * sqb + hq * sqh, qrow, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
                                           ROPE_INTERLEAVED)
     kp_base = KPOS
@@ -306,8 +358,8 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     qs = 0
     if HAS_SEGMENTS:
         qs = tl.load(QSEG + bs * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    k_base = K + bsrc * skb + hk * skh
+    v_base = V + bsrc * svb + hk * svh
     ks_base = KSEG + bs * sksb
 
     drop_rows = None  # the query rows' dropout bits
@@ -321,19 +373,22 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, slope2, aoff, drop_rows, b_lo, f_lo, BLOCK_N, HALF, CHECK_D,
+                               score_mul, cap_mul, slope2, aoff, drop_rows, b_lo, f_lo, orig_base, sors, Ssrc,
+                               qo[:, None], BLOCK_N, HALF, CHECK_D,
                                CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE,
-                               ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
+                               ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, slope2, aoff, drop_rows, f_lo, f_hi, BLOCK_N, HALF, CHECK_D,
+                               score_mul, cap_mul, slope2, aoff, drop_rows, f_lo, f_hi, orig_base, sors, Ssrc,
+                               qo[:, None], BLOCK_N, HALF, CHECK_D,
                                CHECK_H, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE,
-                               ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
+                               ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, slope2, aoff, drop_rows, f_hi, b_hi, BLOCK_N, HALF, CHECK_D,
+                               score_mul, cap_mul, slope2, aoff, drop_rows, f_hi, b_hi, orig_base, sors, Ssrc,
+                               qo[:, None], BLOCK_N, HALF, CHECK_D,
                                CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE,
-                               ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
+                               ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
 
     # A row that saw no key has l = 0 and acc = 0: out 0, lse -inf, m2 = +inf, inv_l = 0.
     empty = l_i == 0.0
@@ -344,9 +399,12 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     else:
         out = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod
+    orow = offs_m  # the rows out and the statistics are stored at
+    if SCATTER:
+        orow = qrow
+    o_ptrs = O + b * sob + h * soh + orow[:, None] * sos + offs_d[None, :] * sod
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    row = (b * Hq + h) * Sq + offs_m
+    row = (b * Hq + h) * Sq + orow
     tl.store(LSE + row, lse, mask=m_ok)
     tl.store(M2 + row, tl.where(empty, float("inf"), m_i), mask=m_ok)
     tl.store(INV_L + row, tl.where(empty, 0.0, inv_l), mask=m_ok)
@@ -359,18 +417,26 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
 def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
                 qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk,
                 left, right, score_mul, cap_mul, slope2, aoff, drop_stream, drop_cols, blk_lo, blk_hi,
+                qo_base, sors, Ssrc, ko,
                 BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                 POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
                 ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr):
+                DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr, ORDERED: tl.constexpr,
+                SCATTER: tl.constexpr):
     # Tiles are transposed ([keys, queries]) so dK, dV accumulate as [BLOCK_N, D] without trans.
     # With ROPE, (k, k2) and (dk, dk2) are the pair halves (rotated k; gradient w.r.t. it).
     # (kT, kT2): the key tile as the forward loads it, used only if _FWD_SCORES (interpreter).
     # With DROPOUT: drop_stream, the head's dropout stream; drop_cols, the keys' bits ([BLOCK_N, 1]).
+    # ORDERED: query rows gathered through ORIG (qo_base); ko: the key rows' original positions
+    # ([BLOCK_N, 1]); SCATTER: the row statistics in the original order.
     for blk in range(blk_lo, blk_hi):
         rows = blk * BLOCK_M + offs_m
         m_ok = rows < Sq
+        qrow, qo = _gathered(qo_base, sors, rows, m_ok, Ssrc, ORDERED)
+        srow = rows
+        if SCATTER:
+            srow = qrow
         if _FWD_SCORES:  # the forward's scores bit for bit (see _FWD_SCORES), transposed
             if ROPE:
                 qr, qr2 = load_rotated(q_base, rows, m_ok, sqs, sqd, qp_base, sqps, theta, offs_h, h_ok, HALF,
@@ -380,7 +446,7 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
                 qT = tl.trans(qr)
                 qT2 = tl.trans(qr2)
             else:
-                qr = load_2d(q_base + rows[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, POSITIONAL, CHECK_D)
+                qr = load_2d(q_base + qrow[:, None] * sqs + offs_d[None, :] * sqd, m_ok, d_ok, POSITIONAL, CHECK_D)
                 qk = tl.trans(tl.dot(qr, kT, input_precision=PRECISION))
                 qT = tl.trans(qr)
         elif ROPE:
@@ -389,22 +455,22 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
             qk = tl.dot(k, qT, input_precision=PRECISION)
             qk = tl.dot(k2, qT2, qk, input_precision=PRECISION)
         else:
-            qT = load_2d(q_base + offs_d[:, None] * sqd + rows[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
+            qT = load_2d(q_base + offs_d[:, None] * sqd + qrow[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
             qk = tl.dot(k, qT, input_precision=PRECISION)
         s2T, tT = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
         if HAS_ALIBI:
             s2T = s2T - slope2 * tl.abs(rows[None, :] + aoff - offs_n[:, None]).to(tl.float32)
         if POSITIONAL:
-            m2 = tl.load(m2_base + rows, mask=m_ok, other=float("inf"))
-            inv_l = tl.load(inv_l_base + rows, mask=m_ok, other=0.0)
-            delta = tl.load(delta_base + rows, mask=m_ok, other=0.0)
+            m2 = tl.load(m2_base + srow, mask=m_ok, other=float("inf"))
+            inv_l = tl.load(inv_l_base + srow, mask=m_ok, other=0.0)
+            delta = tl.load(delta_base + srow, mask=m_ok, other=0.0)
         else:
-            m2 = tl.load(m2_base + rows)
-            inv_l = tl.load(inv_l_base + rows)
-            delta = tl.load(delta_base + rows)
+            m2 = tl.load(m2_base + srow)
+            inv_l = tl.load(inv_l_base + srow)
+            delta = tl.load(delta_base + srow)
         # Rows that saw no key have m2 = +inf, inv_l = 0: p = 0.
         pT = tl.exp2(s2T - m2[None, :]) * inv_l[None, :]
-        do = load_2d(do_base + rows[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, POSITIONAL, CHECK_D)
+        do = load_2d(do_base + qrow[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, POSITIONAL, CHECK_D)
         q = tl.trans(qT)
         if ROPE:
             q2 = tl.trans(qT2)
@@ -413,7 +479,7 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
             if HAS_SEGMENTS:
                 qs = tl.load(qs_base + rows * sqss, mask=m_ok, other=0)[None, :]
             visT = _visible(rows[None, :], offs_n[:, None], Sq, Sk, qs, ks, left, right, POSITIONAL,
-                            IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS)
+                            IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, qo[None, :], ko, ORDERED)
             pT = tl.where(visT, pT, 0.0)
             # Queries that see no key of this tile must not reach dK through 0 * NaN.
             row_ok = tl.max(visT.to(tl.int32), axis=0) > 0
@@ -444,6 +510,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
                      sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
                      sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
                      Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, seed0, seed1,
+                     ORIG, sorb, sors, Ssrc, BATCH_DIV,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
@@ -451,7 +518,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
                      RATE: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
                      HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1,
                      DKV_PER_QHEAD: tl.constexpr = False, DROPOUT: tl.constexpr = 0.0,
-                     DROP_THRESHOLD: tl.constexpr = 0):
+                     DROP_THRESHOLD: tl.constexpr = 0, ORDERED: tl.constexpr = False,
+                     SCATTER: tl.constexpr = False):
     """grid (cdiv(Sk, BLOCK_N), Hkv, B). dK, dV of one key tile summed over the GQA group
     in registers, in a fixed order: deterministic, no atomics. With ROPE the group's q heads are
     rotated by the q positions of the batch row, and dK is rotated back (R^T) before the store.
@@ -463,12 +531,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
     b = tl.program_id(2).to(tl.int64)
     if DKV_PER_QHEAD:
         hq0 = tl.program_id(1)
-        _, hk_slot, bs = _row_map(hq0, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
+        _, hk_slot, bs = _row_map(hq0, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET, ORDERED)
         hk_slot = hk_slot.to(tl.int64)
         n_heads = 1
     else:
-        hk_slot, bs = _kv_row_map(hk, b, GROUP, RATE, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
+        hk_slot, bs = _kv_row_map(hk, b, GROUP, RATE, KV_HEADS, HEAD_BASE, FIXED_OFFSET, ORDERED)
         n_heads = GROUP
+    bsrc = b  # the batch row of q, k, v, dO
+    if ORDERED:
+        bsrc = b // BATCH_DIV
     CHECK_D: tl.constexpr = BLOCK_D != HEAD_DIM
     HALF: tl.constexpr = HEAD_DIM // 2
     CHECK_H: tl.constexpr = BLOCK_H != HALF
@@ -479,14 +550,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < Sk
     d_ok = offs_d < HEAD_DIM
+    orig_base = ORIG + bs * sorb
+    krow, ko = _gathered(orig_base, sors, offs_n, n_ok, Ssrc, ORDERED)
 
-    k, k2, offs_h, h_ok, theta = load_own(K + b * skb + hk_slot * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps,
-                                          THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
+    k, k2, offs_h, h_ok, theta = load_own(K + bsrc * skb + hk_slot * skh, krow, n_ok, sks, skd, KPOS + b * skpb,
+                                          skps, THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
                                           ROPE_INTERLEAVED, True)
     qp_base = QPOS
     if ROPE:
         qp_base = QPOS + b * sqpb
-    v = load_2d(V + b * svb + hk_slot * svh + offs_n[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True,
+    v = load_2d(V + bsrc * svb + hk_slot * svh + krow[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, True,
                 CHECK_D)
     ks = 0
     if HAS_SEGMENTS:
@@ -499,7 +572,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
             kT, kT2 = load_rotated(K + b * skb + hk_slot * skh, offs_n, n_ok, sks, skd, KPOS + b * skpb, skps, theta,
                                    offs_h, h_ok, HALF, True, CHECK_H, ROPE_INTERLEAVED, True)
         else:
-            kT = load_2d(K + b * skb + hk_slot * skh + offs_d[:, None] * skd + offs_n[None, :] * sks, d_ok, n_ok,
+            kT = load_2d(K + bsrc * skb + hk_slot * skh + offs_d[:, None] * skd + krow[None, :] * sks, d_ok, n_ok,
                          CHECK_D, True)
             kT2 = kT
 
@@ -519,36 +592,39 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
             h = hq0 + g
         else:
             h = hk * GROUP + g
-        hq, _hk, _bs = _row_map(h, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
+        hq, _hk, _bs = _row_map(h, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET, ORDERED)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + h)
         drop_stream = None  # query head h's dropout stream
         if DROPOUT > 0:
             drop_stream = drop.stream(seed0, seed1, b * Hq + h)
-        q_base = Q + b * sqb + hq * sqh
-        do_base = DO + b * sdob + hq * sdoh
+        q_base = Q + bsrc * sqb + hq * sqh
+        do_base = DO + bsrc * sdob + hq * sdoh
         m2_base = M2 + (b * Hq + h) * Sq
         inv_l_base = INV_L + (b * Hq + h) * Sq
         delta_base = DELTA + (b * Hq + h) * Sq
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
                                   offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
-                                  aoff, drop_stream, drop_cols, b_lo, f_lo, BLOCK_M, HALF, CHECK_D, CHECK_H, True,
+                                  aoff, drop_stream, drop_cols, b_lo, f_lo, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
+                                  HALF, CHECK_D, CHECK_H, True,
                                   IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
-                                  HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
+                                  HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED, SCATTER)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
                                   offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
-                                  aoff, drop_stream, drop_cols, f_lo, f_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, False,
+                                  aoff, drop_stream, drop_cols, f_lo, f_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
+                                  HALF, CHECK_D, CHECK_H, False,
                                   IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
-                                  HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
+                                  HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED, SCATTER)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
                                   offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
-                                  aoff, drop_stream, drop_cols, f_hi, b_hi, BLOCK_M, HALF, CHECK_D, CHECK_H, True,
+                                  aoff, drop_stream, drop_cols, f_hi, b_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
+                                  HALF, CHECK_D, CHECK_H, True,
                                   IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
-                                  HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
+                                  HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED, SCATTER)
 
     if ROPE:
         # ds/dk' = scale * q' (the softcap factor is already in ds); dk = R^T dk'
@@ -559,9 +635,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
     else:
         dk = dk * sm_scale  # ds/dk = scale * q (the softcap factor is already in ds)
         mask = n_ok[:, None] & d_ok[None, :]
-        tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
+        orow = offs_n  # SCATTER: back to the keys' original rows
+        if SCATTER:
+            orow = krow
+        tl.store(DK + b * sdkb + hk * sdkh + orow[:, None] * sdks + offs_d[None, :] * sdkd,
                  dk.to(DK.dtype.element_ty), mask=mask)
-        tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :] * sdvd,
+        tl.store(DV + b * sdvb + hk * sdvh + orow[:, None] * sdvs + offs_d[None, :] * sdvd,
                  dv.to(DV.dtype.element_ty), mask=mask)
 
 
@@ -571,23 +650,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
 @triton.jit
 def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd,
               sks_s, skp_s, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul,
-              cap_mul, slope2, aoff, drop_rows, blk_lo, blk_hi,
+              cap_mul, slope2, aoff, drop_rows, blk_lo, blk_hi, ko_base, sors, Ssrc, qo,
               BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
               POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
               ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr):
+              DROPOUT: tl.constexpr, DROP_THRESHOLD: tl.constexpr, ORDERED: tl.constexpr):
     """With ROPE, (q, q2) and (dq, dq2) are the pair halves (rotated q; gradient w.r.t. it). With
-    DROPOUT, drop_rows are the query rows' dropout bits ([BLOCK_M, 1])."""
+    DROPOUT, drop_rows are the query rows' dropout bits ([BLOCK_M, 1]). ORDERED: key rows gathered
+    through ORIG (ko_base), qo the query rows' original positions ([BLOCK_M, 1])."""
     for blk in range(blk_lo, blk_hi):
         cols = blk * BLOCK_N + offs_n
         n_ok = cols < Sk
+        krow, ko = _gathered(ko_base, sors, cols, n_ok, Ssrc, ORDERED)
         if ROPE:
             kT, kT2 = load_rotated(k_base, cols, n_ok, sks, skd, kp_base, skp_s, theta, offs_h, h_ok, HALF,
                                    POSITIONAL, CHECK_H, ROPE_INTERLEAVED, True)
         else:
-            kT = load_2d(k_base + offs_d[:, None] * skd + cols[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
-        vT = load_2d(v_base + offs_d[:, None] * svd + cols[None, :] * svs, d_ok, n_ok, CHECK_D, POSITIONAL)
+            kT = load_2d(k_base + offs_d[:, None] * skd + krow[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
+        vT = load_2d(v_base + offs_d[:, None] * svd + krow[None, :] * svs, d_ok, n_ok, CHECK_D, POSITIONAL)
         qk = tl.dot(q, kT, input_precision=PRECISION)
         if ROPE:
             qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
@@ -606,7 +687,7 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
             if HAS_SEGMENTS:
                 ks = tl.load(ks_base + cols * sks_s, mask=n_ok, other=0)[None, :]
             vis = _visible(offs_m[:, None], cols[None, :], Sq, Sk, qs, ks, left, right, POSITIONAL,
-                           IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS)
+                           IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, qo, ko[None, :], ORDERED)
             ds = tl.where(vis, ds, 0.0)
             col_ok = tl.max(vis.to(tl.int32), axis=0) > 0
             kT = tl.where(col_ok[None, :], kT, 0.0)  # keep 0 * NaN out of dQ
@@ -624,19 +705,24 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
                    sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
                    sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
                    Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, seed0, seed1,
+                   ORIG, sorb, sors, Ssrc, BATCH_DIV,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
                    ROPE_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    RATE: tl.constexpr = 1, HEADS: tl.constexpr = 1, KV_HEADS: tl.constexpr = 1,
                    HEAD_BASE: tl.constexpr = 0, FIXED_OFFSET: tl.constexpr = -1, DROPOUT: tl.constexpr = 0.0,
-                   DROP_THRESHOLD: tl.constexpr = 0):
+                   DROP_THRESHOLD: tl.constexpr = 0, ORDERED: tl.constexpr = False, SCATTER: tl.constexpr = False):
     """grid (cdiv(Sq, BLOCK_M), Hq, B). With ROPE, dQ is rotated back (R^T) before the store. With a
-    row map, Hq is the grid's head count, Q, K, V, DO are slot views and DQ is compact."""
+    row map, Hq is the grid's head count, Q, K, V, DO are slot views and DQ is compact. ORDERED /
+    SCATTER: rows gathered through ORIG (the module docstring)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    hq, hk, bs = _row_map(h, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET)
+    hq, hk, bs = _row_map(h, b, GROUP, RATE, HEADS, KV_HEADS, HEAD_BASE, FIXED_OFFSET, ORDERED)
+    bsrc = b  # the batch row of q, k, v, dO
+    if ORDERED:
+        bsrc = b // BATCH_DIV
     hk = hk.to(tl.int64)
     slope2 = 0.0  # ALiBi slope of this head, times log2(e)
     if HAS_ALIBI:
@@ -651,24 +737,29 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
+    orig_base = ORIG + bs * sorb
+    qrow, qo = _gathered(orig_base, sors, offs_m, m_ok, Ssrc, ORDERED)
+    orow = offs_m  # the rows of the statistics and of dq
+    if SCATTER:
+        orow = qrow
 
-    q, q2, offs_h, h_ok, theta = load_own(Q + b * sqb + hq * sqh, offs_m, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
+    q, q2, offs_h, h_ok, theta = load_own(Q + bsrc * sqb + hq * sqh, qrow, m_ok, sqs, sqd, QPOS + b * sqpb, sqps,
                                           THETA, offs_d, d_ok, score_mul, HEAD_DIM, BLOCK_H, CHECK_D, ROPE,
                                           ROPE_INTERLEAVED)
     kp_base = KPOS
     if ROPE:
         kp_base = KPOS + b * skpb
-    do = load_2d(DO + b * sdob + hq * sdoh + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
+    do = load_2d(DO + bsrc * sdob + hq * sdoh + qrow[:, None] * sdos + offs_d[None, :] * sdod, m_ok, d_ok, True,
                  CHECK_D)
-    row = (b * Hq + h) * Sq + offs_m
+    row = (b * Hq + h) * Sq + orow
     m2 = tl.load(M2 + row, mask=m_ok, other=float("inf"))  # empty rows: m2 = +inf, inv_l = 0: p = 0
     inv_l = tl.load(INV_L + row, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     qs = 0
     if HAS_SEGMENTS:
         qs = tl.load(QSEG + bs * sqsb + offs_m * sqss, mask=m_ok, other=0)[:, None]
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    k_base = K + bsrc * skb + hk * skh
+    v_base = V + bsrc * svb + hk * svh
     ks_base = KSEG + bs * sksb
 
     drop_rows = None  # the query rows' dropout bits
@@ -684,25 +775,28 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, drop_rows, b_lo, f_lo, BLOCK_N, HALF, CHECK_D, CHECK_H,
+                        score_mul, cap_mul, slope2, aoff, drop_rows, b_lo, f_lo, orig_base, sors, Ssrc, qo[:, None],
+                        BLOCK_N, HALF, CHECK_D, CHECK_H,
                         True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
-                        HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
+                        HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, drop_rows, f_lo, f_hi, BLOCK_N, HALF, CHECK_D, CHECK_H,
+                        score_mul, cap_mul, slope2, aoff, drop_rows, f_lo, f_hi, orig_base, sors, Ssrc, qo[:, None],
+                        BLOCK_N, HALF, CHECK_D, CHECK_H,
                         False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
-                        HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
+                        HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, drop_rows, f_hi, b_hi, BLOCK_N, HALF, CHECK_D, CHECK_H,
+                        score_mul, cap_mul, slope2, aoff, drop_rows, f_hi, b_hi, orig_base, sors, Ssrc, qo[:, None],
+                        BLOCK_N, HALF, CHECK_D, CHECK_H,
                         True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
-                        HAS_ALIBI, DROPOUT, DROP_THRESHOLD)
+                        HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     if ROPE:
         store_unrotated(DQ + b * sdqb + h * sdqh, offs_m, m_ok, sdqs, sdqd, dq * sm_scale, dq2 * sm_scale,
                         QPOS + b * sqpb, sqps, theta, offs_h, h_ok, HALF, ROPE_INTERLEAVED)
     else:
         dq = dq * sm_scale
-        tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :] * sdqd,
+        tl.store(DQ + b * sdqb + h * sdqh + orow[:, None] * sdqs + offs_d[None, :] * sdqd,
                  dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
@@ -758,6 +852,31 @@ def _map_launch(row_map: RowMap | None, grid_heads: int | None, Hq: int, Hkv: in
     return grid_heads, row_map.heads // row_map.kv_heads, map_constexprs(row_map)
 
 
+@functools.lru_cache(maxsize=256)
+def _ordered_ranges(causal: bool, window, q_len: int, kv_len: int, block_q: int, block_k: int, *, key_major: bool,
+                    device: torch.device) -> torch.Tensor:
+    """The visit plan of an ordered sequence: the window's tiles (causality on original positions
+    bounds no tile), every one masked when causal (cached: do not modify)."""
+    table = block_ranges(False, window, q_len, kv_len, block_q, block_k, key_major=key_major, device=device)
+    if causal:
+        table = torch.cat([table[:, :1], table[:, 3:].expand(-1, 3)], dim=1).contiguous()
+    return table
+
+
+def _ranges(causal, window, gather, q_len, kv_len, block_q, block_k, *, key_major, device):
+    plan = block_ranges if gather is None else _ordered_ranges
+    return plan(causal, window, q_len, kv_len, block_q, block_k, key_major=key_major, device=device)
+
+
+def _gather_args(gather, q):
+    """(ORIG, its strides, Ssrc, BATCH_DIV) and constexprs of a launch; gather = (orig [R, L] int32,
+    scatter, batch_div) or None (dummies, never read)."""
+    if gather is None:
+        return (torch.zeros(1, dtype=torch.int32, device=q.device), 0, 0, 1, 1), {}
+    orig, scatter, batch_div = gather
+    return (orig, orig.stride(0), orig.stride(1), q.shape[1], batch_div), dict(ORDERED=True, SCATTER=bool(scatter))
+
+
 def _flags(causal, window, q_ids, softcap):
     return dict(IS_CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_SEGMENTS=q_ids is not None,
                 HAS_SOFTCAP=softcap is not None)
@@ -776,7 +895,7 @@ def _dropout_args(dropout, row_map):
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
             rope=None, q_pos=None, kv_pos=None, config: BlockSizes | None = None, alibi=None,
             row_map: RowMap | None = None, grid_heads: int | None = None, out_dtype: torch.dtype | None = None,
-            dropout=None):
+            dropout=None, gather=None):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, Hq, D] in q.dtype, lse, stats).
 
     lse [B, Hq, Sq] fp32 natural log (-inf for rows with no visible key); stats = (m2, inv_l), each
@@ -788,10 +907,17 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     lse, stats come compact, `[B', L, grid_heads, D]` / `[B', grid_heads, L]` (no RoPE, ALiBi,
     window or softcap with it). out_dtype: out's dtype (default q.dtype). dropout: (rate, (s0, s1))
     (the seed words of `attn_spec.dropout`) or None; no row map with it.
+    gather: an ordering's rows, (orig int32 [R, L], scatter, batch_div) or None: the tiles are those
+    of an ordered sequence of L rows whose row t is row orig[bs, t] of q, k, v (whole arrays
+    [B, S, H, D], batch row b // batch_div; bs as the segment-id row). scatter: out, lse, stats in
+    the original order (B, S as q's); else compact [B * batch_div, L, ...] (with a row map).
+    No RoPE, ALiBi or dropout with it.
     Inputs are assumed validated (see torch_ref.ops.common.validation).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    if gather is not None:
+        B, Sq, Sk = B * gather[2], gather[0].shape[1], gather[0].shape[1]
     Hq, group, map_kw = _map_launch(row_map, grid_heads, Hq, Hkv)
     cfg = config or default_block_sizes(D, q.dtype, q.is_cuda and not INTERPRETED)
     out = torch.empty((B, Sq, Hq, D), dtype=out_dtype or q.dtype, device=q.device)
@@ -804,24 +930,25 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     left, right = window if window is not None else (0, 0)
     alibi_args = _alibi_args(alibi, q)
     seeds, drop_kw = _dropout_args(dropout, row_map)
+    gather_args, gather_kw = _gather_args(gather, q)
     grid = (triton.cdiv(Sq, cfg.block_q), Hq, B)
     with device_ctx(q):
         _fwd_kernel[grid](
             q, k, v, out, lse, m2, inv_l, qseg, kseg, *rope_ptrs,
-            block_ranges(causal, window, Sq, Sk, cfg.block_q, cfg.block_k, key_major=False, device=q.device),
+            _ranges(causal, window, gather, Sq, Sk, cfg.block_q, cfg.block_k, key_major=False, device=q.device),
             alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
-            Hq, group, Sq, Sk, score_mul, cap_mul, left, right, *alibi_args[1:], *seeds,
+            Hq, group, Sq, Sk, score_mul, cap_mul, left, right, *alibi_args[1:], *seeds, *gather_args,
             HEAD_DIM=D, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, BLOCK_D=block_d(D),
             PRECISION=precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_flags(causal, window, q_ids, softcap), **rope_flags, HAS_ALIBI=alibi is not None, **map_kw,
-            **drop_kw)
+            **drop_kw, **gather_kw)
     return out, lse, (m2, inv_l)
 
 
 def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None,
              softcap=None, rope=None, q_pos=None, kv_pos=None, dlse=None, config: BlockSizes | None = None,
              alibi=None, delta=None, row_map: RowMap | None = None, grid_heads: int | None = None,
-             grad_dtype: torch.dtype | None = None, dropout=None):
+             grad_dtype: torch.dtype | None = None, dropout=None, gather=None):
     """Gradients (dq, dk, dv) shaped like q, k, v, from dO [B, Sq, Hq, D], the forward's `out`
     and `stats`, and optionally the cotangent of the natural lse `dlse [B, Hq, Sq]`.
 
@@ -836,9 +963,13 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     per query head when `dkv_per_query_head(row_map, grid_heads)` (the caller sums each GQA group).
     grad_dtype: the gradients' dtype (default the inputs'). dropout: the forward's (the same seed
     regenerates its mask); delta is unchanged by it (sum_j P~_ij dP_ij = dO_i . O_i).
+    gather: as in `forward` (q, k, v, do whole; with scatter the statistics, delta and the
+    gradients in the original order, else compact).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
+    if gather is not None:
+        B, Sq, Sk = B * gather[2], gather[0].shape[1], gather[0].shape[1]
     Hq, group, map_kw = _map_launch(row_map, grid_heads, Hq, Hkv)
     per_qhead = dkv_per_query_head(row_map, Hq)
     if row_map is not None:  # the dK/dV grid's heads
@@ -860,21 +991,22 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     seeds, drop_kw = _dropout_args(dropout, row_map)
+    gather_args, gather_kw = _gather_args(gather, q)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), PRECISION=precision(q.dtype), num_warps=cfg.num_warps_bwd,
                   num_stages=cfg.num_stages_bwd, **_flags(causal, window, q_ids, softcap), **rope_flags,
-                  HAS_ALIBI=alibi is not None, **drop_kw)
+                  HAS_ALIBI=alibi is not None, **drop_kw, **gather_kw)
     alibi_args = _alibi_args(alibi, q)
-    scalars = (Hq, group, Sq, Sk, score_mul, cap_mul, scale, left, right, *alibi_args[1:], *seeds)
+    scalars = (Hq, group, Sq, Sk, score_mul, cap_mul, scale, left, right, *alibi_args[1:], *seeds, *gather_args)
     dkv_kw = dict(map_kw, DKV_PER_QHEAD=True) if per_qhead else map_kw
     with device_ctx(q):
         _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_k_dkv), Hkv, B)](
             q, k, v, do, *stats, delta, dk, dv, qseg, kseg, *rope_ptrs,
-            block_ranges(causal, window, Sq, Sk, cfg.block_q_dkv, cfg.block_k_dkv, key_major=True, device=q.device),
+            _ranges(causal, window, gather, Sq, Sk, cfg.block_q_dkv, cfg.block_k_dkv, key_major=True, device=q.device),
             alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *seg_strides,
             *rope_strides, *scalars, BLOCK_M=cfg.block_q_dkv, BLOCK_N=cfg.block_k_dkv, **common, **dkv_kw)
         _bwd_dq_kernel[(triton.cdiv(Sq, cfg.block_q_dq), Hq, B)](
             q, k, v, do, *stats, delta, dq, qseg, kseg, *rope_ptrs,
-            block_ranges(causal, window, Sq, Sk, cfg.block_q_dq, cfg.block_k_dq, key_major=False, device=q.device),
+            _ranges(causal, window, gather, Sq, Sk, cfg.block_q_dq, cfg.block_k_dq, key_major=False, device=q.device),
             alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *seg_strides,
             *rope_strides, *scalars, BLOCK_M=cfg.block_q_dq, BLOCK_N=cfg.block_k_dq, **common, **map_kw)
     return dq, dk, dv
@@ -889,13 +1021,13 @@ class FlashAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos, config=None,
-                alibi=None, dropout=None):
+                alibi=None, dropout=None, gather=None):
         out, lse, stats = forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
                                   window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
-                                  config=config, alibi=alibi, dropout=dropout)
+                                  config=config, alibi=alibi, dropout=dropout, gather=gather)
         ctx.save_for_backward(q, k, v, out, *stats, q_ids, kv_ids, q_pos, kv_pos)
         ctx.opts = dict(causal=causal, scale=scale, window=window, softcap=softcap, rope=rope, config=config,
-                        alibi=alibi, dropout=dropout)
+                        alibi=alibi, dropout=dropout, gather=gather)
         return out, lse
 
     @staticmethod
@@ -905,7 +1037,7 @@ class FlashAttentionFn(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dq, dk, dv = backward(dout, q, k, v, out, (m2, inv_l), q_ids=q_ids, kv_ids=kv_ids, dlse=dlse,
                               q_pos=q_pos, kv_pos=kv_pos, **ctx.opts)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 __all__ = ["BlockSizes", "default_block_sizes", "block_d", "forward", "backward", "FlashAttentionFn", "INTERPRETED",
