@@ -53,11 +53,12 @@ def selection_mask(blocks, ranges, block_size: int, seq_len: int, causal: bool, 
     (`plan.canonical_blocks`, -1 ignored) or of its disjoint ranges (`plan.disjoint_ranges`),
     causal, within the row's segment."""
     keys = jnp.arange(seq_len, dtype=jnp.int32)
-    if blocks is not None:  # [B, S, Hkv, n, 1] against the keys' blocks
-        mask = (blocks[..., None] == (keys // block_size)).any(-2)
+    wide = keys[None, None, None, None, :]  # against [B, S, Hkv, n or R, 1]
+    if blocks is not None:
+        mask = (blocks[..., None] == wide // block_size).any(-2)
     else:
         start, end = ranges[..., 0, None], ranges[..., 1, None]
-        mask = ((keys >= start) & (keys < end)).any(-2)
+        mask = ((wide >= start) & (wide < end)).any(-2)
     mask = mask.transpose(0, 2, 1, 3)  # [B, Hkv, S, S]
     if causal:
         mask &= keys[None, None, None, :] <= keys[None, None, :, None]
@@ -95,9 +96,9 @@ def compress_one(x, block: int, stride: int, params, precision):
     h = (blocks + cast(params.pos)[None, None, :, None, :]).transpose(0, 1, 3, 2, 4)
     h = h.reshape(batch, count, heads, block * head_dim)
     h = jnp.einsum("bnhf,fk->bnhk", h, cast(params.w1), precision=precision, preferred_element_type=acc)
-    h = jax.nn.gelu(h + cast(params.b1).astype(h.dtype), approximate=False).astype(x.dtype)
+    h = jax.nn.gelu(h + cast(params.b1).astype(h.dtype)[None, None, None, :], approximate=False).astype(x.dtype)
     out = jnp.einsum("bnhk,kd->bnhd", h, cast(params.w2), precision=precision, preferred_element_type=acc)
-    return (out + cast(params.b2).astype(out.dtype)).astype(x.dtype)
+    return (out + cast(params.b2).astype(out.dtype)[None, None, None, :]).astype(x.dtype)
 
 
 def compressed_segment_ids(ids, block: int, stride: int):
@@ -122,6 +123,8 @@ def compression_mask(seq_len: int, count: int, block: int, stride: int, q_ids=No
 
 def compression_reference(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, precision, q_ids=None):
     """Block-causal attention over the compressed keys -> (out, lse)."""
+    if k_cmp.shape[1] == 0:  # no complete block: every row sees nothing
+        return jnp.zeros_like(q), jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
     mask = compression_mask(q.shape[1], k_cmp.shape[1], block, stride, q_ids, q_ids)
     return masked_attention(q, k_cmp, v_cmp, mask, scale, precision)
 
