@@ -14,6 +14,7 @@ from jax_attn.ops.common import validation
 from jax_attn.ops.common.rope import Rope
 from jax_attn.ops.common.spec import AttentionSpec
 from jax_attn.ops.nsa import branches as nsa_branches
+from jax_attn.ops.nsa import importance as nsa_importance
 from jax_attn.ops.nsa import plan as nsa_plan
 from jax_attn.ops.nsa import reference as nsa_reference
 
@@ -484,9 +485,8 @@ def _compression(q, k_cmp, v_cmp, block, stride, spec, q_ids, fast: bool):
         return nsa_reference.compression_reference(q, k_cmp, v_cmp, block=block, stride=stride, scale=spec.scale,
                                                    precision=spec.precision, q_ids=q_ids)
 
-    def attention(qs, ks, vs, offset, seg):  # the engine, causal, its own default implementation
-        return flash_attention(qs, ks, vs, causal=True, kv_offset=offset, scale=spec.scale, segment_ids=seg,
-                               return_lse=True)
+    def attention(qs, ks, vs, seg):  # the engine, causal, its own default implementation for the device
+        return flash_attention(qs, ks, vs, causal=True, scale=spec.scale, segment_ids=seg, return_lse=True)
 
     return nsa_branches.compression_engine(q, k_cmp, v_cmp, block=block, stride=stride, scale=spec.scale,
                                            q_ids=q_ids, attention=attention)
@@ -522,7 +522,7 @@ def _select(q, k_cmp, lse_cmp, config, spec, q_ids, fast: bool):
     q, k_cmp, lse_cmp = (jax.lax.stop_gradient(x) for x in (q, k_cmp, lse_cmp))
     kw = dict(block=config.compress_block, stride=config.compress_stride, select_block=config.select_block,
               scale=spec.scale, precision=spec.precision, q_ids=q_ids)
-    imp = (nsa_branches.importance_chunked if fast else nsa_reference.importance_reference)(q, k_cmp, lse_cmp, **kw)
+    imp = (nsa_importance.importance_pallas if fast else nsa_reference.importance_reference)(q, k_cmp, lse_cmp, **kw)
     return nsa_reference.top_n(imp, config.select_block, config.num_selected)
 
 
@@ -537,8 +537,8 @@ def select_blocks(q, k_cmp, lse_cmp, *, block: int = 32, stride: int = 16, selec
       q: [B, S, Hq, D]; k_cmp: [B, Nc, Hkv, D]; lse_cmp: [B, Hq, S] (`compression_attention`'s).
       block, stride: the compression geometry; select_block: keys per selection block;
       num_selected: n, at most the number of selection blocks (powers of two for the sizes).
-      implementation: None / "triton" (chunks of query tokens, never [B, S, Hq, Nc] at once) or
-        "xla" (dense).
+      implementation: None / "triton" (a Pallas kernel sums the probabilities over each group's
+        heads without materialising [B, S, Hq, Nc]) or "xla" (dense).
 
     Not differentiated. Returns int32 [B, S, Hkv, num_selected]: ascending, -1 in the slots no
     block fills.
@@ -569,8 +569,8 @@ def nsa_attention(q, k, v, gates, *, compress_block: int = 32, compress_stride: 
       compress_params: None (mean pooling) or a pair of `CompressParams` (for k, for v).
       scale: default D ** -0.5. segment_ids: int [B, S] or None (every branch stays within its
         segment; importance counts only blocks inside it).
-      implementation: None / "triton" (the selection kernels, the flash engine for compression and
-        window, chunked importance) or "xla" (plain jnp throughout).
+      implementation: None / "triton" (the selection and importance kernels, the flash engine for
+        compression and window) or "xla" (plain jnp throughout).
 
     Differentiable in q, k, v, gates and compress_params (not through the selection's choice).
     Returns out [B, S, Hq, D] in q.dtype.

@@ -20,7 +20,7 @@ import jax_attn
 from attn_spec import nsa
 from attn_spec.nsa import CompressParams
 from jax_attn import compress_kv, compression_attention, nsa_attention, select_blocks, selection_attention
-from jax_attn.ops.nsa import branches, plan, reference
+from jax_attn.ops.nsa import importance, plan, reference
 from jax_golden import NP_DTYPE
 from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare
 
@@ -320,18 +320,22 @@ def test_top_n_ties_and_forced():
     np.testing.assert_array_equal(np.asarray(reference.top_n(jnp.asarray(ties), 8, 4))[0, 39, 0], [0, 1, 3, 4])
 
 
-def test_importance_chunks_match_reference():
-    """The chunked importance and its shifted-slice overlap map equal the dense reference."""
+@pytest.mark.parametrize("heads, kv_heads", [(4, 1), (6, 2), (2, 2)])
+def test_importance_kernel_matches_reference(heads, kv_heads):
+    """The importance kernel and its shifted-slice overlap map equal the dense reference (with and
+    without segment ids; groups padded inside)."""
     rng = np.random.default_rng(8)
-    q, k, _ = (jnp.asarray(x, jnp.float32) for x in _qkv(rng, 1, 77, 4, 1, 16))
-    for block, stride, select_block in ((32, 8, 16), (16, 16, 16), (16, 8, 4)):
+    q, k, _ = (jnp.asarray(x, jnp.float32) for x in _qkv(rng, 1, 77, heads, kv_heads, 16))
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, (1, 77)), axis=1), jnp.int32)
+    for block, stride, select_block, seg in ((32, 8, 16, None), (16, 16, 16, ids), (16, 8, 4, ids)):
         kc, _ = compress_kv(k, k, block=block, stride=stride)
         with jax.default_matmul_precision("highest"):
-            _, lse = compression_attention(q, kc, kc, block=block, stride=stride, return_lse=True, implementation="xla")
+            _, lse = compression_attention(q, kc, kc, block=block, stride=stride, segment_ids=seg, return_lse=True,
+                                           implementation="xla")
             kw = dict(block=block, stride=stride, select_block=select_block, scale=0.25,
-                      precision=jax.lax.Precision.HIGHEST)
+                      precision=jax.lax.Precision.HIGHEST, q_ids=seg)
             want = reference.importance_reference(q, kc, lse, **kw)
-            got = branches.importance_chunked(q, kc, lse, max_elements=200, **kw)
+            got = importance.importance_pallas(q, kc, lse, **kw)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
