@@ -522,7 +522,9 @@ def _select(q, k_cmp, lse_cmp, config, spec, q_ids, fast: bool):
     q, k_cmp, lse_cmp = (jax.lax.stop_gradient(x) for x in (q, k_cmp, lse_cmp))
     kw = dict(block=config.compress_block, stride=config.compress_stride, select_block=config.select_block,
               scale=spec.scale, precision=spec.precision, q_ids=q_ids)
-    imp = (nsa_importance.importance_pallas if fast else nsa_reference.importance_reference)(q, k_cmp, lse_cmp, **kw)
+    if fast:
+        return nsa_importance.select_pallas(q, k_cmp, lse_cmp, num_selected=config.num_selected, **kw)
+    imp = nsa_reference.importance_reference(q, k_cmp, lse_cmp, **kw)
     return nsa_reference.top_n(imp, config.select_block, config.num_selected)
 
 

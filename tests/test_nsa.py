@@ -321,11 +321,13 @@ def test_top_n_ties_and_forced():
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 1), (6, 2), (2, 2)])
-def test_importance_kernel_matches_reference(heads, kv_heads):
-    """The importance kernel and its shifted-slice overlap map equal the dense reference (with and
-    without segment ids; groups padded inside)."""
+def test_selection_kernel_path_matches_reference(heads, kv_heads):
+    """The importance kernel (groups padded inside), the shifted-slice overlap map and the chunked
+    top-n (chunks far smaller than the sequence) choose what the dense reference chooses, with and
+    without segment ids."""
     rng = np.random.default_rng(8)
     q, k, _ = (jnp.asarray(x, jnp.float32) for x in _qkv(rng, 1, 77, heads, kv_heads, 16))
+    q = q * 3.0  # peaked probabilities: importance gaps far above rounding
     ids = jnp.asarray(np.sort(rng.integers(0, 3, (1, 77)), axis=1), jnp.int32)
     for block, stride, select_block, seg in ((32, 8, 16, None), (16, 16, 16, ids), (16, 8, 4, ids)):
         kc, _ = compress_kv(k, k, block=block, stride=stride)
@@ -334,9 +336,9 @@ def test_importance_kernel_matches_reference(heads, kv_heads):
                                            implementation="xla")
             kw = dict(block=block, stride=stride, select_block=select_block, scale=0.25,
                       precision=jax.lax.Precision.HIGHEST, q_ids=seg)
-            want = reference.importance_reference(q, kc, lse, **kw)
-            got = importance.importance_pallas(q, kc, lse, **kw)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+            want = reference.top_n(reference.importance_reference(q, kc, lse, **kw), select_block, 3)
+            got = importance.select_pallas(q, kc, lse, num_selected=3, max_bytes=4 * 16 * kv_heads * 4, **kw)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # ---------------------------------------------------------------------------------------------
