@@ -229,8 +229,9 @@ def test_compress_mean_is_block_mean():
         np.testing.assert_allclose(np.asarray(vc)[:, i], v[:, i * 8:i * 8 + 16].mean(1), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("block, stride, mlp, segments", [(16, 8, False, False), (8, 8, True, False),
-                                                          (16, 4, False, True), (8, 1, True, True)])
+@pytest.mark.parametrize("block, stride, mlp, segments", [
+    (16, 8, False, False), (8, 8, True, False), pytest.param(16, 4, False, True, marks=pytest.mark.slow),
+    pytest.param(8, 1, True, True, marks=pytest.mark.slow)])
 def test_compression_branch(block, stride, mlp, segments):
     """compress_kv + compression_attention, gradients to q, k, v (and the MLP's parameters)."""
     rng = np.random.default_rng(block + stride)
@@ -345,8 +346,9 @@ def test_selection_kernel_path_matches_reference(heads, kv_heads):
 # nsa_attention
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("heads, kv_heads, window, mlp, segments", [(4, 2, 8, False, False), (2, 2, 0, True, False),
-                                                                    (4, 1, 12, False, True)])
+@pytest.mark.parametrize("heads, kv_heads, window, mlp, segments", [
+    pytest.param(4, 2, 8, False, False, marks=pytest.mark.slow), (2, 2, 0, True, False),
+    pytest.param(4, 1, 12, False, True, marks=pytest.mark.slow)])
 def test_nsa_attention(heads, kv_heads, window, mlp, segments):
     """All branches gated; gradients to q, k, v, gates (and the MLP). num_selected = every block, so
     the choice is the same in every dtype (the golden and the run select alike)."""
@@ -367,6 +369,7 @@ def test_nsa_attention(heads, kv_heads, window, mlp, segments):
     check_rule(fn, [q, k, v, gates, *params], [rng.standard_normal((batch, seq_len, heads, head_dim))])
 
 
+@pytest.mark.slow
 def test_nsa_attention_sparse_selection_matches_xla():
     """num_selected below the block count: the kernel path and the plain path choose the same blocks
     and agree to fp32 rounding."""
