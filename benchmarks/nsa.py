@@ -17,6 +17,8 @@ Columns:
                  kernels, the flash engine for the compression and window branches); gates 0.5
     selection    jax_attn.selection_attention alone on a fixed NSA-like selection (block 0, the
                  two local blocks, 13 random blocks within the frontier)
+    selection_gather  the same with NSABlockSizes(tokens_dkdv=4): dK/dV gathers four tokens' group
+                 rows (at least 16 rows) into one tile per step
     fla          fla-org's parallel_nsa (torch), where it imports and takes the case (it needs
                  16+ query heads per kv head; compression 64/64 is its own)
     cudnn        jax.nn.dot_product_attention(implementation="cudnn"), full causal (dense rows)
@@ -111,12 +113,20 @@ def nsa_like_indices(batch, seq_len, kv_heads, select_block, n, seed=0):
     return idx
 
 
-def selection_column(case, opts):
-    _nsa_only(case)
+def selection_column(config=None):
+    def build(case, opts):
+        _nsa_only(case)
+        import jax_attn
+        p = case.params
+        idx = jnp.asarray(nsa_like_indices(case.B, case.S, case.Hkv, p["select_block"], p["num_selected"]))
+        cfg = None if config is None or opts.smoke else config()
+        return lambda q, k, v: jax_attn.selection_attention(q, k, v, idx, block_size=p["select_block"], config=cfg)
+    return build
+
+
+def _gathered():
     import jax_attn
-    p = case.params
-    idx = jnp.asarray(nsa_like_indices(case.B, case.S, case.Hkv, p["select_block"], p["num_selected"]))
-    return lambda q, k, v: jax_attn.selection_attention(q, k, v, idx, block_size=p["select_block"])
+    return jax_attn.NSABlockSizes(tokens_dkdv=4)
 
 
 def cudnn_column(case, opts):
@@ -159,7 +169,8 @@ def fla_column(case, opts):
 
 COLUMNS = [
     Column("nsa", nsa_column, compare=False),
-    Column("selection", selection_column, compare=False),
+    Column("selection", selection_column(), compare=False),
+    Column("selection_gather", selection_column(_gathered), compare=False, quick=False),
     Column("fla", fla_column, framework="torch", compare=False),
     Column("cudnn", cudnn_column, compare=False),
     Column("flash", flash_column, compare=False),

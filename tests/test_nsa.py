@@ -104,6 +104,24 @@ def test_selection_lists(batch, seq_len, heads, kv_heads, head_dim, block_size, 
     check_rule(fn, arrays, _cotangents(rng, batch, seq_len, heads, head_dim))
 
 
+@pytest.mark.parametrize("config", [jax_attn.NSABlockSizes(2, 2, 16, 4, 1, 4, 1, 1, 4),
+                                    jax_attn.NSABlockSizes(1, 1, 16, 4, 1, 4, 1, 4, 8)], ids=["chunks4", "gather4"])
+def test_selection_dkdv_work_items(config):
+    """dK/dV with block 0 selected by every token, cut into chunks of 4 or 8 tokens (many items per
+    block, summed per block), one token or four gathered tokens a step; two tokens per forward
+    program; segment ids."""
+    rng = np.random.default_rng(11)
+    batch, seq_len, heads, kv_heads, head_dim, bs, n = 2, 37, 4, 2, 16, 8, 3
+    arrays = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
+    idx = _messy_indices(rng, batch, seq_len, kv_heads, n, bs)
+    idx[..., 1] = 0
+    ids = jnp.asarray(np.sort(rng.integers(0, 2, (batch, seq_len)), axis=1), jnp.int32)
+    fn = lambda impl, q, k, v: selection_attention(q, k, v, jnp.asarray(idx), block_size=bs, segment_ids=ids,
+                                                   return_lse=True, implementation=impl,
+                                                   config=config if impl == "triton" else None)
+    check_rule(fn, arrays, _cotangents(rng, batch, seq_len, heads, head_dim))
+
+
 def test_selection_counts_and_fp16():
     rng = np.random.default_rng(1)
     batch, seq_len, heads, kv_heads, head_dim, bs, n = 1, 41, 4, 2, 32, 16, 3

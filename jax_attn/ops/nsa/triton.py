@@ -14,9 +14,13 @@ memory), and the repeated rows are folded back before the store.
 
 Backward (FlashAttention-2 Alg. 2, recomputing P from the saved row max and 1 / row sum):
 - dQ: the forward's walk, per token.
-- dK/dV, lists: one program per (key block, batch, kv head) walks the TRANSPOSE plan
-  (`plan.transpose_plan`: the query tokens that selected this block, from a stable sort of
-  (block, token) pairs in XLA), gathering each token's group rows. No atomics: deterministic.
+- dK/dV, lists: the TRANSPOSE plan (`plan.transpose_plan`: for every key block the query tokens
+  that selected it, from a stable sort of (block, token) pairs in XLA), cut into work items of at
+  most `chunk_dkdv` tokens of one block (block 0, which every token selects, would otherwise be
+  one program walking the whole sequence). One program per item loads its key block once and
+  walks its tokens, gathering each token's group rows (or several tokens' rows into one tile),
+  and writes a partial dK/dV; a second kernel sums every block's partials in item order. No
+  atomics: deterministic.
 - dK/dV, ranges: one program per (key tile, batch, kv head) walks the query tokens that can see
   it (causal: from the tile on) and skips, on a scalar test, the tokens none of whose ranges meet
   the tile (O(S) scalar work per tile: the ranges form serves the original project's calls, the
@@ -51,7 +55,11 @@ class NSABlockSizes:
     tokens / tokens_dq: query tokens per forward / dQ program (walked one after the other; more
     tokens per program, fewer programs). block_k_ranges: the key tile of the ranges form (the
     block lists walk blocks of `block_size`). The backward kernels launch with num_warps_bwd,
-    num_stages_bwd."""
+    num_stages_bwd. dK/dV of the block lists: a program takes at most chunk_dkdv of a block's
+    tokens (a block every token selects, block 0, becomes many programs: no program walks the
+    whole sequence), tokens_dkdv of them per step (> 1: their group rows gathered into one tile,
+    tokens_dkdv * G rows; 1: one token's rows per step, repeated to 16 rows when the group is
+    smaller). Powers of two."""
 
     tokens: int = 1
     tokens_dq: int = 1
@@ -60,10 +68,12 @@ class NSABlockSizes:
     num_stages: int = 2
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
+    tokens_dkdv: int = 1
+    chunk_dkdv: int = 512
 
     def __post_init__(self):
         check_launch_fields(self)
-        for name in ("tokens", "tokens_dq"):
+        for name in ("tokens", "tokens_dq", "tokens_dkdv", "chunk_dkdv"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"NSABlockSizes.{name}={value} must be a power of two >= 1")
@@ -74,10 +84,10 @@ def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> N
     rows are one small tile whatever the tokens per program, so a program takes 4 tokens to
     amortise its launch and its prologue; 4 warps fit the 16-row dots."""
     if interpret:
-        return NSABlockSizes(1, 1, 16, 4, 1, 4, 1)
+        return NSABlockSizes(1, 1, 16, 4, 1, 4, 1, 1, 8)
     if jnp.dtype(dtype) == jnp.float32 or head_dim > 128:
-        return NSABlockSizes(2, 2, 64, 4, 1, 4, 1)
-    return NSABlockSizes(4, 4, 64, 4, 2, 4, 2)
+        return NSABlockSizes(2, 2, 64, 4, 1, 4, 1, 1, 512)
+    return NSABlockSizes(4, 4, 64, 4, 2, 4, 2, 1, 512)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,29 +324,82 @@ def _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref):
     return q, do, m2, inv_l, delta
 
 
-def _dkdv_lists_kernel(tokens_ref, offsets_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref,
-                       *refs, st: _Static):
-    """One program per (key block, batch, kv head): walks the tokens that selected the block."""
+def _dkdv_lists_kernel(item_block_ref, item_lo_ref, item_hi_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, m2_ref,
+                       inv_l_ref, delta_ref, *refs, st: _Static):
+    """One program per (work item, batch, kv head): an item is one key block and a chunk of the
+    tokens that selected it (`_work_items`); writes the chunk's dK/dV (fp32) for `_sum_items`."""
     seg_ref = refs[0] if st.has_segments else None
     dk_ref, dv_ref = refs[-2:]
-    width, head_dim = k_ref.shape
-    j = pl.program_id(0)
-    start = j * width
-    k, v = k_ref[...], v_ref[...]
-    cols = (start + jnp.arange(width))
-    kv_seg = seg_ref[pl.ds(start, width)] if st.has_segments else None
+    width, head_dim = dk_ref.shape
+    w = pl.program_id(0)
+    start = pl.multiple_of(item_block_ref[w] * width, width)
+    tile = pl.ds(start, width)
+    k, v = k_ref[tile, :], v_ref[tile, :]
+    cols = start + jnp.arange(width)
+    kv_seg = seg_ref[tile] if st.has_segments else None
+    lo, hi = item_lo_ref[w], item_hi_ref[w]
+    step_tokens = st.blocks.tokens_dkdv
 
-    def step(i, carry):
-        t = tokens_ref[i]
-        rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
-        q_seg = seg_ref[t] if st.has_segments else None
-        mask = _mask(st, t, cols, q_seg, kv_seg)[:, None]
-        return _dkdv_tile(st, k, v, *rows, mask, carry)
+    if step_tokens == 1:
+        def step(i, carry):
+            t = tokens_ref[lo + i]
+            rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
+            q_seg = seg_ref[t] if st.has_segments else None
+            mask = _mask(st, t, cols, q_seg, kv_seg)[:, None]
+            return _dkdv_tile(st, k, v, *rows, mask, carry)
+    else:
+        rows = step_tokens * st.group
+        spread = lambda x: jnp.broadcast_to(x[:, None], (step_tokens, st.group)).reshape(rows)
+
+        def step(i, carry):  # tokens lo + i n .. lo + i n + n - 1 of the list, those from hi on masked
+            first = lo + i * step_tokens
+            tok = tokens_ref[pl.ds(first, step_tokens)]  # the list is padded: never read past its end
+            q = q_ref[tok].reshape(rows, head_dim)  # the tokens' group rows, gathered
+            do = do_ref[tok].reshape(rows, head_dim)
+            m2, inv_l, delta = (r[tok].reshape(rows) for r in (m2_ref, inv_l_ref, delta_ref))
+            inv_l = jnp.where(spread(first + jnp.arange(step_tokens) < hi), inv_l, 0.0)  # P = 0 there
+            q_seg = spread(seg_ref[tok])[None, :] if st.has_segments else None
+            mask = _mask(st, spread(tok)[None, :], cols[:, None], q_seg,
+                         kv_seg[:, None] if st.has_segments else None)
+            return _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry)
 
     carry = (jnp.zeros((width, head_dim), jnp.float32),) * 2
-    dk, dv = jax.lax.fori_loop(offsets_ref[j], offsets_ref[j + 1], step, carry)
-    dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
+    dk, dv = jax.lax.fori_loop(0, (hi - lo + step_tokens - 1) // step_tokens, step, carry)
+    dk_ref[...] = dk * st.scale
+    dv_ref[...] = dv
+
+
+def _sum_items_kernel(item_start_ref, item_count_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref):
+    """One program per (key block, batch, kv head): its items' dK/dV summed in item order
+    (deterministic)."""
+    j = pl.program_id(0)
+    first = item_start_ref[j]
+
+    def add(w, carry):
+        return carry[0] + dk_part_ref[w], carry[1] + dv_part_ref[w]
+
+    zero = jnp.zeros(dk_ref.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(first, first + item_count_ref[j], add, (zero, zero))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _work_items(offsets, num_blocks: int, chunk: int, num_items: int):
+    """Split every key block's token list (offsets [B, Hkv, nb + 1]) into chunks of at most
+    `chunk` tokens, at least one per block -> (item block, item lo, item hi [B, Hkv, W]; first item
+    and item count per block [B, Hkv, nb]); W = num_items bounds the count (items past the last
+    are empty)."""
+    counts = offsets[..., 1:] - offsets[..., :-1]
+    per_block = jnp.maximum((counts + chunk - 1) // chunk, 1)
+    first = jnp.cumsum(per_block, axis=-1, dtype=jnp.int32) - per_block
+    items = jnp.arange(num_items, dtype=jnp.int32)
+    search = jax.vmap(jax.vmap(lambda f: jnp.searchsorted(f, items, side="right")))
+    block = jnp.clip(search(first).astype(jnp.int32) - 1, 0, num_blocks - 1)
+    base = jnp.take_along_axis(offsets[..., :-1], block, -1)
+    end = jnp.take_along_axis(offsets[..., 1:], block, -1)
+    lo = jnp.minimum(base + (items[None, None, :] - jnp.take_along_axis(first, block, -1)) * chunk, end)
+    hi = jnp.minimum(lo + chunk, end)
+    return block, lo, hi, first, per_block
 
 
 def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs,
@@ -393,31 +456,52 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
         compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dq",
     )(q, k, v, do, m2, inv_l, delta, *sel, *seg_args)
 
-    # dK/dV: one program per key block; the group rows of the whole sequence are gathered per token
     q_all = pl.BlockSpec((None, length, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
     stat_all = pl.BlockSpec((None, None, length, group), lambda j, b, h: (b, h, 0, 0))
     kv_block = pl.BlockSpec((None, width, None, head_dim), lambda j, b, h: (b, j, h, 0))
-    if st.ranges:
+    kv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if st.ranges:  # dK/dV: one program per key tile, walking the tokens that may see it
         r = sel[0].shape[3]
-        plan_specs = [pl.BlockSpec((None, length, None, r, 2), lambda j, b, h: (b, 0, h, 0, 0))]
-        plan_args = list(sel)
-        kernel = _dkdv_ranges_kernel
-    else:
-        num_blocks = length // width
-        tokens_list, offsets = plan.transpose_plan(sel[0][:, :st.seq_len], num_blocks)
-        plan_specs = [pl.BlockSpec((None, None, tokens_list.shape[2]), lambda j, b, h: (b, h, 0)),
-                      pl.BlockSpec((None, None, num_blocks + 1), lambda j, b, h: (b, h, 0))]
-        plan_args = [tokens_list, offsets]
-        kernel = _dkdv_lists_kernel
-    kv_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
-    dk, dv = pl.pallas_call(
-        functools.partial(kernel, st=st),
-        grid=(length // width, batch, kv_heads),
-        in_specs=[*plan_specs, q_all, kv_block, kv_block, q_all, stat_all, stat_all, stat_all, *seg_specs],
-        out_specs=[kv_block, kv_block],
-        out_shape=[kv_shape, jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        ranges_spec = pl.BlockSpec((None, length, None, r, 2), lambda j, b, h: (b, 0, h, 0, 0))
+        dk, dv = pl.pallas_call(
+            functools.partial(_dkdv_ranges_kernel, st=st),
+            grid=(length // width, batch, kv_heads),
+            in_specs=[ranges_spec, q_all, kv_block, kv_block, q_all, stat_all, stat_all, stat_all, *seg_specs],
+            out_specs=[kv_block, kv_block], out_shape=kv_shapes,
+            compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv_ranges",
+        )(*sel, q, k, v, do, m2, inv_l, delta, *seg_args)
+        return dq, dk, dv
+
+    # dK/dV of the block lists: the transpose plan, cut into work items of at most chunk_dkdv
+    # tokens; one program per item writes its partial dK/dV, a second kernel sums them per block
+    num_blocks = length // width
+    chunk = st.blocks.chunk_dkdv
+    tokens_list, offsets = plan.transpose_plan(sel[0][:, :st.seq_len], num_blocks)
+    tokens_list = padding.pad_axis(tokens_list, 2, tokens_list.shape[2] + st.blocks.tokens_dkdv)
+    num_items = num_blocks + pl.cdiv(tokens_list.shape[2], chunk)
+    item_block, item_lo, item_hi, item_first, item_count = _work_items(offsets, num_blocks, chunk, num_items)
+    item_spec = pl.BlockSpec((None, None, num_items), lambda w, b, h: (b, h, 0))
+    kv_all = pl.BlockSpec((None, length, None, head_dim), lambda w, b, h: (b, 0, h, 0))
+    part_spec = pl.BlockSpec((None, None, None, width, head_dim), lambda w, b, h: (b, h, w, 0, 0))
+    part_shape = jax.ShapeDtypeStruct((batch, kv_heads, num_items, width, head_dim), jnp.float32)
+    dk_part, dv_part = pl.pallas_call(
+        functools.partial(_dkdv_lists_kernel, st=st),
+        grid=(num_items, batch, kv_heads),
+        in_specs=[item_spec, item_spec, item_spec,
+                  pl.BlockSpec((None, None, tokens_list.shape[2]), lambda w, b, h: (b, h, 0)),
+                  q_all, kv_all, kv_all, q_all, stat_all, stat_all, stat_all, *seg_specs],
+        out_specs=[part_spec, part_spec], out_shape=[part_shape, part_shape],
         compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv",
-    )(*plan_args, q, k, v, do, m2, inv_l, delta, *seg_args)
+    )(item_block, item_lo, item_hi, tokens_list, q, k, v, do, m2, inv_l, delta, *seg_args)
+    block_spec = pl.BlockSpec((None, None, num_blocks), lambda j, b, h: (b, h, 0))
+    parts_spec = pl.BlockSpec((None, None, num_items, width, head_dim), lambda j, b, h: (b, h, 0, 0, 0))
+    dk, dv = pl.pallas_call(
+        _sum_items_kernel,
+        grid=(num_blocks, batch, kv_heads),
+        in_specs=[block_spec, block_spec, parts_spec, parts_spec],
+        out_specs=[kv_block, kv_block], out_shape=kv_shapes,
+        compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv_sum",
+    )(item_first, item_count, dk_part, dv_part)
     return dq, dk, dv
 
 
@@ -465,6 +549,8 @@ def selection_pallas(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=No
     group = num_heads // kv_heads
     group_pad, head_pad = pow2_at_least(group, 1), pow2_at_least(head_dim)
     config = config or default_block_sizes(head_pad, interpret, q.dtype)
+    if config.tokens_dkdv > 1:  # gathered rows fill at least the smallest dot
+        config = dataclasses.replace(config, tokens_dkdv=max(config.tokens_dkdv, MIN_BLOCK // group_pad))
     use_ranges = ranges is not None
     width = config.block_k_ranges if use_ranges else block_size
     tile = max(width, config.tokens, config.tokens_dq)
