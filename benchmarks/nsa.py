@@ -19,6 +19,8 @@ Columns:
                  two local blocks, 13 random blocks within the frontier)
     selection_gather  the same with NSABlockSizes(tokens_dkdv=4): dK/dV gathers four tokens' group
                  rows (at least 16 rows) into one tile per step
+    selection_t1 the same with one token per forward / dQ program (the paper's kernel; the
+                 default takes about 64 rows of tokens x heads and walks the union of their blocks)
     fla          fla-org's parallel_nsa (torch), where it imports and takes the case (it needs
                  16+ query heads per kv head; compression 64/64 is its own)
     cudnn        jax.nn.dot_product_attention(implementation="cudnn"), full causal (dense rows)
@@ -129,6 +131,11 @@ def _gathered():
     return jax_attn.NSABlockSizes(tokens_dkdv=4)
 
 
+def _one_token():
+    import jax_attn
+    return jax_attn.NSABlockSizes(tokens=1, tokens_dq=1)
+
+
 def cudnn_column(case, opts):
     _dense_only(case)
     if opts.smoke:
@@ -171,6 +178,7 @@ COLUMNS = [
     Column("nsa", nsa_column, compare=False),
     Column("selection", selection_column(), compare=False),
     Column("selection_gather", selection_column(_gathered), compare=False, quick=False),
+    Column("selection_t1", selection_column(_one_token), compare=False, quick=False),
     Column("fla", fla_column, framework="torch", compare=False),
     Column("cudnn", cudnn_column, compare=False),
     Column("flash", flash_column, compare=False),
