@@ -409,9 +409,10 @@ def selection_attention(q, k, v, block_indices=None, block_counts=None, *, range
         if block_counts is not None:
             validation.check_int_array("block_counts", block_counts, rows)
     scale = validation.check_positive("scale", scale)
-    spec, call = _nsa_call(q, scale, q_ids is not None)
+    spec, _ = _nsa_call(q, scale, q_ids is not None)
     spec = dataclasses.replace(spec, causal=bool(causal))
-    entry = registry.resolve("nsa", implementation, registry.Call(spec, head_dim, q.dtype))
+    call = registry.Call(spec, head_dim, q.dtype)
+    entry = registry.resolve("nsa", implementation, call)
     config = registry.check_config(entry, config, call)
     if ranges is not None:
         sel = dict(ranges=nsa_plan.disjoint_ranges(ranges, seq_len, spec.causal))
