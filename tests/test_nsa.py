@@ -494,9 +494,14 @@ def test_registry_rule():
 # GPU: compiled kernels at realistic shapes
 # ---------------------------------------------------------------------------------------------
 
+GPU_CONFIGS = [None, jax_attn.NSABlockSizes(tokens=1, tokens_dq=1), jax_attn.NSABlockSizes(tokens_dkdv=4)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("seq_len, heads, kv_heads", [(4096, 16, 1), (8192, 16, 16), (16384, 64, 4)])
-def test_gpu_selection_bf16(seq_len, heads, kv_heads):
+@pytest.mark.parametrize("seq_len, heads, kv_heads, config", [
+    (4096, 16, 1, None), (4096, 16, 1, GPU_CONFIGS[1]), (4096, 16, 1, GPU_CONFIGS[2]), (4096, 8, 8, GPU_CONFIGS[2]),
+    (8192, 16, 16, None), (16384, 64, 4, None)], ids=["r16", "r16_t1", "r16_gather", "r1_gather", "r1_8k", "r16_16k"])
+def test_gpu_selection_bf16(seq_len, heads, kv_heads, config):
     """The selection kernels against the plain reference in bf16 (forward and gradients) and the
     fp32 reference as the golden, with the canonical NSA selection (16 blocks of 64)."""
     rng = np.random.default_rng(seq_len)
@@ -507,7 +512,8 @@ def test_gpu_selection_bf16(seq_len, heads, kv_heads):
     idx = np.minimum(rng.integers(0, num, (batch, seq_len, kv_heads, n)), t // bs).astype(np.int32)
     idx[..., 0] = t[..., 0] // bs
     cts = _cotangents(rng, batch, seq_len, heads, head_dim)
-    fn = lambda impl, q, k, v: selection_attention(q, k, v, jnp.asarray(idx), return_lse=True, implementation=impl)
+    fn = lambda impl, q, k, v: selection_attention(q, k, v, jnp.asarray(idx), return_lse=True, implementation=impl,
+                                                   config=config if impl == "triton" else None)
     if seq_len > 8192:  # the dense reference would not fit: the kernel in fp32 is the golden's stand-in
         gold = _run(fn, (q, k, v), cts, jnp.float32, "triton")
         fast = _run(fn, (q, k, v), cts, jnp.bfloat16, "triton")
@@ -536,3 +542,47 @@ def test_gpu_nsa_attention_bf16():
     fast = _run(fn, (q, k, v, gates), ct, jnp.bfloat16, "triton")
     for x in fast:
         assert np.isfinite(x).all()
+
+
+@pytest.mark.gpu
+def test_gpu_ranges_bf16():
+    """The ranges form compiled: two ranges per row (a window and a prefix), against the reference."""
+    rng = np.random.default_rng(1)
+    batch, seq_len, heads, kv_heads, head_dim = 1, 2048, 16, 2, 128
+    q, k, v = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
+    t = np.arange(seq_len)[None, :, None]
+    ranges = np.stack([np.stack([np.maximum(t - 300, 0), t + 1], -1),
+                       np.stack([np.zeros_like(t), np.minimum(t, 100)], -1)], axis=-2)
+    ranges = np.broadcast_to(ranges, (batch, seq_len, kv_heads, 2, 2)).astype(np.int32)
+    fn = lambda impl, q, k, v: selection_attention(q, k, v, ranges=jnp.asarray(ranges), return_lse=True,
+                                                   implementation=impl)
+    cts = _cotangents(rng, batch, seq_len, heads, head_dim)
+    gold = _run(fn, (q, k, v), cts, jnp.float32, "xla")
+    naive = _run(fn, (q, k, v), cts, jnp.bfloat16, "xla")
+    fast = _run(fn, (q, k, v), cts, jnp.bfloat16, "triton")
+    for i, (f, nv, g) in enumerate(zip(fast, naive, gold)):
+        verdict = compare(f, nv, g, NP_DTYPE[jnp.bfloat16], FORWARD_FACTOR if i < 2 else GRADIENT_FACTOR)
+        assert verdict.ok, f"{i}: {verdict}"
+
+
+@pytest.mark.gpu
+def test_gpu_select_blocks_matches_reference():
+    """The compiled importance kernel and chunked top-n choose blocks as good as the dense
+    reference's: where the choices differ, the chosen sets have the same total importance (ties
+    in fp32)."""
+    rng = np.random.default_rng(2)
+    batch, seq_len, heads, kv_heads, head_dim = 1, 8192, 64, 4, 128
+    q, k, _ = (jnp.asarray(x, jnp.float32) for x in _qkv(rng, batch, seq_len, heads, kv_heads, head_dim))
+    with jax.default_matmul_precision("highest"):
+        kc, _ = compress_kv(k, k)
+        _, lse = compression_attention(q, kc, kc, return_lse=True)
+        kw = dict(block=32, stride=16, select_block=64, scale=head_dim ** -0.5,
+                  precision=jax.lax.Precision.HIGHEST)
+        imp = reference.importance_reference(q, kc, lse, **kw)
+        want = np.asarray(reference.top_n(imp, 64, 16))
+        got = np.asarray(select_blocks(q, kc, lse, implementation="triton"))
+    differ = (got != want).any(-1)
+    assert differ.mean() < 0.01
+    imp = np.asarray(imp, np.float64)
+    total = lambda sel: np.where(sel >= 0, np.take_along_axis(imp, np.maximum(sel, 0), -1), 0.0).sum(-1)
+    np.testing.assert_allclose(total(got)[differ], total(want)[differ], rtol=1e-5)
