@@ -2,14 +2,17 @@
 
 Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD). Implementations ("triton",
 "mosaic", "xla") and the rule for implementation=None live in `jax_attn.registry`; tile configs
-(`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`) are passed as `config=`.
-Sequence parallelism over a mesh axis: `ring_attention` / `ring_dilated_attention` (inside
-`jax.shard_map`) and `context_parallel_attention` (global arrays); zigzag helpers `to_zigzag`,
-`from_zigzag`.
+(`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`, `NSABlockSizes`) are passed as `config=`.
+Native Sparse Attention: `nsa_attention` and its parts `compress_kv`, `compression_attention`,
+`select_blocks`, `selection_attention`. Sequence parallelism over a mesh axis: `ring_attention` /
+`ring_dilated_attention` (inside `jax.shard_map`) and `context_parallel_attention` (global arrays);
+zigzag helpers `to_zigzag`, `from_zigzag`.
 """
-from jax_attn.api import (context_parallel_attention, default_strategy, dilated_attention, flash_attention,
-                          flash_attention_varlen, ring_attention, ring_dilated_attention, stick_breaking_attention,
+from jax_attn.api import (compress_kv, compression_attention, context_parallel_attention, default_strategy,
+                          dilated_attention, flash_attention, flash_attention_varlen, nsa_attention, ring_attention,
+                          ring_dilated_attention, select_blocks, selection_attention, stick_breaking_attention,
                           stick_breaking_attention_varlen)
+from jax_attn.ops.nsa.triton import NSABlockSizes
 from jax_attn.ops.ring.layout import from_layout, from_zigzag, layout_positions, to_layout, to_zigzag
 from jax_attn.device import DeviceInfo, device_info, recommended_dtype
 from jax_attn.nn.layers import EncoderBlock, MultiHeadSelfAttention, attention_fn, make_attention_fn
@@ -34,6 +37,7 @@ __all__ = [
     "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "stick_breaking_attention",
     "stick_breaking_attention_varlen",
     "stick_breaking_reference", "UnknownImplementationError", "orderings",
-    "ring_attention", "ring_dilated_attention", "context_parallel_attention", "default_strategy", "to_zigzag", "from_zigzag", "to_layout",
-    "from_layout", "layout_positions",
+    "ring_attention", "ring_dilated_attention", "context_parallel_attention", "default_strategy", "to_zigzag",
+    "from_zigzag", "to_layout", "from_layout", "layout_positions",
+    "compress_kv", "compression_attention", "nsa_attention", "NSABlockSizes", "select_blocks", "selection_attention",
 ]

@@ -1,0 +1,624 @@
+"""NSA's selection attention as Pallas kernels (Triton lowering): forward, dQ, dK/dV.
+
+Reads top to bottom: config, the token's key walk shared by the kernels, forward, backward, the
+`custom_vjp` wiring and the entry point that lays the arrays out for the kernels.
+
+Group-centric (Yuan et al. 2025, Sec. 3.4 "Kernel design"): the query heads of one kv head share
+their selection, so they form the ROWS of a tile. A forward program takes (T query tokens, batch,
+kv head); its rows are the T tokens x the group's heads, and it walks the union of its tokens'
+key blocks (`plan.tile_union`, each block once, a bit per token saying who selected it), loading
+each block of keys once at a dynamic start (`pl.ds`), with an online softmax in fp32 and the
+membership, causal and segment element mask. The ranges form takes one token per program and
+walks the key tiles of its disjoint ranges (`plan.disjoint_ranges`). A tile of fewer than 16 rows
+(the smallest dot) is padded in registers: its rows are repeated to 16 (the same dot a
+zero-padded tile costs, no copy of q in memory), and the copies are folded back before the store.
+
+Backward (FlashAttention-2 Alg. 2, recomputing P from the saved row max and 1 / row sum):
+- dQ: the forward's tiles and walk.
+- dK/dV, lists: the TRANSPOSE plan (`plan.transpose_plan`: for every key block the query tokens
+  that selected it, from a stable sort of (block, token) pairs in XLA), cut into work items of at
+  most `chunk_dkdv` tokens of one block (block 0, which every token selects, would otherwise be
+  one program walking the whole sequence). One program per item loads its key block once and
+  walks its tokens, gathering each token's group rows (or several tokens' rows into one tile),
+  and writes a partial dK/dV; a second kernel sums every block's partials in item order. No
+  atomics: deterministic.
+- dK/dV, ranges: one program per (key tile, batch, kv head) walks the query tokens that can see
+  it (causal: from the tile on) and skips, on a scalar test, the tokens none of whose ranges meet
+  the tile (O(S) scalar work per tile: the ranges form serves the original project's calls, the
+  block lists the NSA hot path).
+Design: docs/design/nsa.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from attn_spec.tiles import MIN_BLOCK, check_launch_fields, pow2_at_least
+from jax_attn.ops.common import padding
+from jax_attn.ops.common.spec import LOG2E
+from jax_attn.ops.nsa import plan
+
+warnings.filterwarnings(
+    "ignore", message=r"The Pallas Triton backend is deprecated and will be removed in a future JAX version",
+    category=DeprecationWarning)
+
+
+MAX_TOKENS = 16  # tokens of a forward / dQ tile: one bit each in the union's int32 masks
+
+
+@dataclasses.dataclass(frozen=True)
+class NSABlockSizes:
+    """Tiles and launch parameters of the selection kernels.
+
+    tokens / tokens_dq: query tokens per forward / dQ program, at most 16: the tile's rows are
+    these tokens x the group's heads and the program walks the union of their blocks once, so
+    neighbours that share blocks share their loads (None: the group decides, about 64 rows on a
+    GPU; ranges: one token a program). block_k_ranges: the key tile of the ranges form (the
+    block lists walk blocks of `block_size`). The backward kernels launch with num_warps_bwd,
+    num_stages_bwd. dK/dV of the block lists: a program takes at most chunk_dkdv of a block's
+    tokens (a block every token selects, block 0, becomes many programs: no program walks the
+    whole sequence), tokens_dkdv of them per step (> 1: their group rows gathered into one tile,
+    tokens_dkdv * G rows; 1: one token's rows per step, repeated to 16 rows when the group is
+    smaller). Powers of two."""
+
+    tokens: int | None = None
+    tokens_dq: int | None = None
+    block_k_ranges: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 2
+    tokens_dkdv: int = 1
+    chunk_dkdv: int = 512
+
+    def __post_init__(self):
+        check_launch_fields(self)
+        for name, most in (("tokens", MAX_TOKENS), ("tokens_dq", MAX_TOKENS), ("tokens_dkdv", None),
+                           ("chunk_dkdv", None)):
+            value = getattr(self, name)
+            if value is None and name in ("tokens", "tokens_dq"):  # chosen by the group size
+                continue
+            if value < 1 or value & (value - 1) or (most is not None and value > most):
+                limit = f" and <= {most}" if most is not None else ""
+                raise ValueError(f"NSABlockSizes.{name}={value} must be a power of two >= 1{limit}")
+
+
+def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> NSABlockSizes:
+    """Interpret mode: small tiles (short CPU runs). GPU: tokens per program by the group
+    (`tokens_for_group`); 4 warps for tiles of 16 to 64 rows; dK/dV in items of 512 tokens."""
+    if interpret:
+        return NSABlockSizes(None, None, 16, 4, 1, 4, 1, 1, 8)
+    if jnp.dtype(dtype) == jnp.float32 or head_dim > 128:
+        return NSABlockSizes(None, None, 64, 4, 1, 4, 1, 1, 512)
+    return NSABlockSizes(None, None, 64, 4, 2, 4, 2, 1, 512)
+
+
+def tokens_for_group(group: int, interpret: bool) -> int:
+    """Tokens per forward / dQ program when the config leaves it open: tiles of about 64 rows on a
+    GPU (16 in the interpreter), at most MAX_TOKENS tokens."""
+    return max(1, min(MAX_TOKENS, (MIN_BLOCK if interpret else 64) // group))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything static about one laid-out call."""
+
+    scale: float
+    causal: bool
+    has_segments: bool
+    precision: jax.lax.Precision
+    seq_len: int  # real length (arrays padded to `length`)
+    length: int
+    block_size: int  # lists: the selection block; ranges: the key tile
+    ranges: bool
+    group: int  # padded group (a power of two)
+    blocks: NSABlockSizes
+    interpret: bool
+
+    @property
+    def rows(self) -> int:
+        """Rows of a tile: the padded group, at least the smallest dot."""
+        return max(MIN_BLOCK, self.group)
+
+
+def _dot(a, b, st, *, trans_b=False):
+    dims = (((1,), (1,)), ((), ())) if trans_b else (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=st.precision, preferred_element_type=jnp.float32)
+
+
+def _spread(x, rows: int):
+    """A tile's real rows [R0, ...] -> [rows, ...], repeated (row r holds real row r % R0): the
+    rows a dot needs (16) when there are fewer."""
+    copies = rows // x.shape[0]
+    if copies == 1:
+        return x
+    return jnp.broadcast_to(x[None], (copies, *x.shape)).reshape(rows, *x.shape[1:])
+
+
+def _fold(x, real: int):
+    """The inverse of `_spread` on rows that hold equal copies: [rows, ...] -> [real, ...]."""
+    copies = x.shape[0] // real
+    if copies == 1:
+        return x
+    return x.reshape(copies, real, *x.shape[1:]).max(axis=0)
+
+
+def _mask(st, pos, cols, q_seg, kv_seg, lo=None, hi=None):
+    """Keys `cols` a query at `pos` sees: inside the sequence, causal, in its segment, in [lo, hi)
+    (operands broadcast: [rows, 1] against [1, keys], or the transpose)."""
+    mask = cols < st.seq_len
+    if st.causal:
+        mask &= cols <= pos
+    if st.has_segments:
+        mask &= kv_seg == q_seg
+    if lo is not None:
+        mask &= (cols >= lo) & (cols < hi)
+    return mask
+
+
+class _Tile:
+    """The rows of a forward / dQ program: its T tokens x the padded group (row r = token
+    r // G, head r % G), repeated to at least 16 rows."""
+
+    def __init__(self, st, tokens: int, seg_ref):
+        self.real = tokens * st.group
+        self.rows = max(MIN_BLOCK, self.real)
+        self.tokens = tokens
+        base = pl.program_id(0) * tokens
+        token = jnp.arange(self.rows) % self.real // st.group
+        self.token = token  # the row's token within the program (its bit in the union's masks)
+        self.pos = (base + token)[:, None]
+        self.q_seg = None
+        if st.has_segments:
+            self.q_seg = _spread(jnp.broadcast_to(seg_ref[pl.ds(base, tokens)][:, None], (tokens, st.group))
+                                 .reshape(self.real), self.rows)[:, None]
+
+    def load(self, ref):
+        """A [T, G, ...] block -> the tile's [rows, ...]."""
+        x = ref[...]
+        return _spread(x.reshape(self.real, *x.shape[2:]), self.rows)
+
+    def store(self, ref, x):
+        """The tile's [rows, ...] -> a [T, G, ...] block (copies folded)."""
+        x = _fold(x, self.real)
+        ref[...] = x.reshape(ref.shape).astype(ref.dtype)
+
+
+def _walk(st, tile, sel, body, carry):
+    """Run `body(start, extra_mask, carry)` over the key blocks of the program's tokens.
+    Lists: the union of its tokens' canonical blocks (`plan.tile_union`), each once, with the
+    rows of the tokens that selected it (extra_mask [rows, 1]). Ranges (one token a program):
+    the key tiles of each disjoint range, masked to it (extra_mask [1, width])."""
+    width = st.block_size
+    if not st.ranges:
+        union_ref, member_ref, count_ref = sel
+
+        def block(u, c):
+            mine = (jnp.right_shift(member_ref[u], tile.token) & 1) == 1
+            return body(pl.multiple_of(union_ref[u] * width, width), mine[:, None], c)
+
+        return jax.lax.fori_loop(0, count_ref[pl.program_id(0)], block, carry)
+    (ranges_ref,) = sel
+
+    def one_range(r, c):
+        lo, hi = ranges_ref[0, r, 0], ranges_ref[0, r, 1]
+        first = lo // width
+        last = jnp.where(hi > lo, (hi + width - 1) // width, first)  # an empty range walks nothing
+
+        def key_tile(j, c2):
+            start = pl.multiple_of(j * width, width)
+            cols = start + jnp.arange(width)
+            return body(start, ((cols >= lo) & (cols < hi))[None, :], c2)
+
+        return jax.lax.fori_loop(first, last, key_tile, c)
+
+    return jax.lax.fori_loop(0, ranges_ref.shape[1], one_range, carry)
+
+
+def _split_refs(refs, st):
+    """(selection refs, segment ids ref or None, the rest) of a forward / dQ kernel's trailing refs."""
+    refs = list(refs)
+    sel = [refs.pop(0)] if st.ranges else [refs.pop(0), refs.pop(0), refs.pop(0)]
+    seg = refs.pop(0) if st.has_segments else None
+    return sel, seg, refs
+
+
+def _tile_mask(st, tile, start, extra, seg_ref):
+    cols = (start + jnp.arange(st.block_size))[None, :]
+    kv_seg = seg_ref[pl.ds(start, st.block_size)][None, :] if st.has_segments else None
+    return _mask(st, tile.pos, cols, tile.q_seg, kv_seg) & extra
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward: one program per (T query tokens, batch, kv head); the tile's rows are the tokens x the
+# group's heads, and the walk visits every block some token selected once (FA2 Alg. 1 on a block
+# list, online softmax; rows whose token did not select a block are masked there).
+# ----------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static):
+    sel, seg_ref, (o_ref, m2_ref, inv_l_ref, lse_ref) = _split_refs(refs, st)
+    tile = _Tile(st, q_ref.shape[0], seg_ref)
+    head_dim = q_ref.shape[-1]
+    q = tile.load(q_ref)  # [rows, D]
+
+    def body(start, extra, carry):
+        m, l, acc = carry
+        keys = pl.ds(start, st.block_size)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        s = _dot(q, k, st, trans_b=True) * (st.scale * LOG2E)
+        s = jnp.where(_tile_mask(st, tile, start, extra, seg_ref), s, -jnp.inf)
+        # online softmax update; a row that has seen only masked keys keeps m = -inf and its
+        # exponent uses 0 instead, so its p are exp2(-inf) = 0, never NaN
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, st)
+        return m_new, l, acc
+
+    carry = (jnp.full((tile.rows,), -jnp.inf, jnp.float32), jnp.zeros((tile.rows,), jnp.float32),
+             jnp.zeros((tile.rows, head_dim), jnp.float32))
+    m, l, acc = _walk(st, tile, sel, body, carry)
+    empty = l == 0.0  # nothing visible: output 0, lse -inf
+    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+    tile.store(o_ref, acc * inv_l[:, None])
+    # for the backward: P = exp2(s2 - m2) * inv_l (m2 = +inf on empty rows: P = 0)
+    tile.store(m2_ref, jnp.where(empty, jnp.inf, m))
+    tile.store(inv_l_ref, inv_l)
+    tile.store(lse_ref, jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) / LOG2E))
+
+
+def _sel_args(st, sel, tokens):
+    """(BlockSpecs, arrays) of the selection for a grid (token tile i, batch b, kv head h): the
+    union of the tile's blocks (lists) or its token's ranges."""
+    if st.ranges:
+        r = sel[0].shape[3]
+        return [pl.BlockSpec((None, 1, None, r, 2), lambda i, b, h: (b, i, h, 0, 0))], list(sel)
+    union, member, counts = plan.tile_union(sel[0], tokens)
+    size, programs = union.shape[3], union.shape[1]
+    list_spec = pl.BlockSpec((None, None, None, size), lambda i, b, h: (b, i, h, 0))
+    return [list_spec, list_spec, pl.BlockSpec((None, None, programs), lambda i, b, h: (b, h, 0))], \
+        [union, member, counts]
+
+
+def _seg_specs(st, seg):
+    if seg is None:
+        return [], []
+    return [pl.BlockSpec((None, st.length), lambda *g: (g[1], 0))], [seg]
+
+
+def _tokens(st, tokens):
+    """Tokens per forward / dQ program: one with ranges (each token its own ranges)."""
+    return 1 if st.ranges else tokens
+
+
+def _fwd_call(st: _Static, q, k, v, sel, seg):
+    """q [B, L, Hkv, G, D] -> out (same), m2, inv_l, lse [B, Hkv, L, G] fp32."""
+    batch, length, kv_heads, group, head_dim = q.shape
+    tokens = _tokens(st, st.blocks.tokens)
+    seg_specs, seg_args = _seg_specs(st, seg)
+    sel_specs, sel_args = _sel_args(st, sel, tokens)
+    q_spec = pl.BlockSpec((None, tokens, None, group, head_dim), lambda i, b, h: (b, i, h, 0, 0))
+    kv_spec = pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+    stat_spec = pl.BlockSpec((None, None, tokens, group), lambda i, b, h: (b, h, i, 0))
+    stat_shape = jax.ShapeDtypeStruct((batch, kv_heads, length, group), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, st=st),
+        grid=(length // tokens, batch, kv_heads),  # tokens fastest: neighbours share K/V in L2
+        in_specs=[q_spec, kv_spec, kv_spec, *sel_specs, *seg_specs],
+        out_specs=[q_spec, stat_spec, stat_spec, stat_spec],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), stat_shape, stat_shape, stat_shape],
+        compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps, num_stages=st.blocks.num_stages),
+        interpret=st.interpret, name="nsa_selection_fwd",
+    )(q, k, v, *sel_args, *seg_args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward. delta = rowsum(dO * O) - dlse (FA2 Alg. 2 line 4; minus dlse makes lse differentiable).
+# ----------------------------------------------------------------------------------------------
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs, st: _Static):
+    """One program per (T query tokens, batch, kv head): the forward's walk, accumulating dQ."""
+    sel, seg_ref, (dq_ref,) = _split_refs(refs, st)
+    tile = _Tile(st, q_ref.shape[0], seg_ref)
+    q, do = tile.load(q_ref), tile.load(do_ref)
+    m2, inv_l, delta = (tile.load(r)[:, None] for r in (m2_ref, inv_l_ref, delta_ref))
+
+    def body(start, extra, dq):
+        keys = pl.ds(start, st.block_size)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        s = _dot(q, k, st, trans_b=True) * (st.scale * LOG2E)
+        p = jnp.where(_tile_mask(st, tile, start, extra, seg_ref), jnp.exp2(s - m2) * inv_l, 0.0)
+        ds = p * (_dot(do, v, st, trans_b=True) - delta)
+        return dq + _dot(ds.astype(k.dtype), k, st)
+
+    dq = _walk(st, tile, sel, body, jnp.zeros((tile.rows, q_ref.shape[-1]), jnp.float32))
+    tile.store(dq_ref, dq * st.scale)
+
+
+def _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry):
+    """One (key tile, query token) step of dK/dV: s = k q^T [keys, rows]; rows beyond the group
+    (repeated copies) carry inv_l = 0, so P = 0 there."""
+    dk, dv = carry
+    s = _dot(k, q, st, trans_b=True) * (st.scale * LOG2E)
+    p = jnp.where(mask, jnp.exp2(s - m2[None, :]) * inv_l[None, :], 0.0)
+    dv = dv + _dot(p.astype(do.dtype), do, st)
+    dp = _dot(v, do, st, trans_b=True)
+    ds = p * (dp - delta[None, :])
+    return dk + _dot(ds.astype(q.dtype), q, st), dv
+
+
+def _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref):
+    """Token t's group rows spread to the tile (the copies zeroed through inv_l)."""
+    q, do = _spread(q_ref[t], st.rows), _spread(do_ref[t], st.rows)
+    m2, inv_l, delta = (_spread(r[t], st.rows) for r in (m2_ref, inv_l_ref, delta_ref))
+    if st.rows != st.group:
+        inv_l = jnp.where(jnp.arange(st.rows) < st.group, inv_l, 0.0)
+    return q, do, m2, inv_l, delta
+
+
+def _dkdv_lists_kernel(item_block_ref, item_lo_ref, item_hi_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, m2_ref,
+                       inv_l_ref, delta_ref, *refs, st: _Static):
+    """One program per (work item, batch, kv head): an item is one key block and a chunk of the
+    tokens that selected it (`_work_items`); writes the chunk's dK/dV (fp32) for `_sum_items`."""
+    seg_ref = refs[0] if st.has_segments else None
+    dk_ref, dv_ref = refs[-2:]
+    width, head_dim = dk_ref.shape
+    w = pl.program_id(0)
+    start = pl.multiple_of(item_block_ref[w] * width, width)
+    tile = pl.ds(start, width)
+    k, v = k_ref[tile, :], v_ref[tile, :]
+    cols = start + jnp.arange(width)
+    kv_seg = seg_ref[tile] if st.has_segments else None
+    lo, hi = item_lo_ref[w], item_hi_ref[w]
+    step_tokens = st.blocks.tokens_dkdv
+
+    if step_tokens == 1:
+        def step(i, carry):
+            t = tokens_ref[lo + i]
+            rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
+            q_seg = seg_ref[t] if st.has_segments else None
+            mask = _mask(st, t, cols, q_seg, kv_seg)[:, None]
+            return _dkdv_tile(st, k, v, *rows, mask, carry)
+    else:
+        rows = step_tokens * st.group
+        spread = lambda x: jnp.broadcast_to(x[:, None], (step_tokens, st.group)).reshape(rows)
+
+        def step(i, carry):  # tokens lo + i n .. lo + i n + n - 1 of the list, those from hi on masked
+            first = lo + i * step_tokens
+            tok = tokens_ref[pl.ds(first, step_tokens)]  # the list is padded: never read past its end
+            q = q_ref[tok].reshape(rows, head_dim)  # the tokens' group rows, gathered
+            do = do_ref[tok].reshape(rows, head_dim)
+            m2, inv_l, delta = (r[tok].reshape(rows) for r in (m2_ref, inv_l_ref, delta_ref))
+            inv_l = jnp.where(spread(first + jnp.arange(step_tokens) < hi), inv_l, 0.0)  # P = 0 there
+            q_seg = spread(seg_ref[tok])[None, :] if st.has_segments else None
+            mask = _mask(st, spread(tok)[None, :], cols[:, None], q_seg,
+                         kv_seg[:, None] if st.has_segments else None)
+            return _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry)
+
+    carry = (jnp.zeros((width, head_dim), jnp.float32),) * 2
+    dk, dv = jax.lax.fori_loop(0, (hi - lo + step_tokens - 1) // step_tokens, step, carry)
+    dk_ref[...] = dk * st.scale
+    dv_ref[...] = dv
+
+
+def _sum_items_kernel(item_start_ref, item_count_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref):
+    """One program per (key block, batch, kv head): its items' dK/dV summed in item order
+    (deterministic)."""
+    j = pl.program_id(0)
+    first = item_start_ref[j]
+
+    def add(w, carry):
+        return carry[0] + dk_part_ref[w], carry[1] + dv_part_ref[w]
+
+    zero = jnp.zeros(dk_ref.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(first, first + item_count_ref[j], add, (zero, zero))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _work_items(offsets, num_blocks: int, chunk: int, num_items: int):
+    """Split every key block's token list (offsets [B, Hkv, nb + 1]) into chunks of at most
+    `chunk` tokens, at least one per block -> (item block, item lo, item hi [B, Hkv, W]; first item
+    and item count per block [B, Hkv, nb]); W = num_items bounds the count (items past the last
+    are empty)."""
+    counts = offsets[..., 1:] - offsets[..., :-1]
+    per_block = jnp.maximum((counts + chunk - 1) // chunk, 1)
+    first = jnp.cumsum(per_block, axis=-1, dtype=jnp.int32) - per_block
+    items = jnp.arange(num_items, dtype=jnp.int32)
+    search = jax.vmap(jax.vmap(lambda f: jnp.searchsorted(f, items, side="right")))
+    block = jnp.clip(search(first).astype(jnp.int32) - 1, 0, num_blocks - 1)
+    base = jnp.take_along_axis(offsets[..., :-1], block, -1)
+    end = jnp.take_along_axis(offsets[..., 1:], block, -1)
+    lo = jnp.minimum(base + (items[None, None, :] - jnp.take_along_axis(first, block, -1)) * chunk, end)
+    hi = jnp.minimum(lo + chunk, end)
+    return block, lo, hi, first, per_block
+
+
+def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs,
+                        st: _Static):
+    """One program per (key tile, batch, kv head): walks the tokens that may see the tile, skipping
+    those none of whose ranges meet it."""
+    seg_ref = refs[0] if st.has_segments else None
+    dk_ref, dv_ref = refs[-2:]
+    width, head_dim = k_ref.shape
+    start = pl.program_id(0) * width
+    k, v = k_ref[...], v_ref[...]
+    cols = start + jnp.arange(width)
+    kv_seg = seg_ref[pl.ds(start, width)] if st.has_segments else None
+    num_ranges = ranges_ref.shape[1]
+
+    def step(t, carry):
+        bounds = [(ranges_ref[t, r, 0], ranges_ref[t, r, 1]) for r in range(num_ranges)]
+        touch = functools.reduce(jnp.logical_or, [(lo < start + width) & (hi > start) & (hi > lo)
+                                                  for lo, hi in bounds])
+
+        def visit(c):
+            rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
+            inside = functools.reduce(jnp.logical_or, [(cols >= lo) & (cols < hi) for lo, hi in bounds])
+            q_seg = seg_ref[t] if st.has_segments else None
+            mask = (_mask(st, t, cols, q_seg, kv_seg) & inside)[:, None]
+            return _dkdv_tile(st, k, v, *rows, mask, c)
+
+        return jax.lax.cond(touch, visit, lambda c: c, carry)
+
+    carry = (jnp.zeros((width, head_dim), jnp.float32),) * 2
+    dk, dv = jax.lax.fori_loop(start if st.causal else 0, st.seq_len, step, carry)
+    dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
+    batch, length, kv_heads, group, head_dim = q.shape
+    width = st.block_size
+    params = plgpu.CompilerParams(num_warps=st.blocks.num_warps_bwd, num_stages=st.blocks.num_stages_bwd)
+    seg_specs, seg_args = _seg_specs(st, seg)
+
+    # dQ: the forward's tiling
+    tokens = _tokens(st, st.blocks.tokens_dq)
+    sel_specs, sel_args = _sel_args(st, sel, tokens)
+    q_spec = pl.BlockSpec((None, tokens, None, group, head_dim), lambda i, b, h: (b, i, h, 0, 0))
+    kv_spec = pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+    stat_spec = pl.BlockSpec((None, None, tokens, group), lambda i, b, h: (b, h, i, 0))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, st=st),
+        grid=(length // tokens, batch, kv_heads),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, stat_spec, *sel_specs, *seg_specs],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dq",
+    )(q, k, v, do, m2, inv_l, delta, *sel_args, *seg_args)
+
+    q_all = pl.BlockSpec((None, length, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
+    stat_all = pl.BlockSpec((None, None, length, group), lambda j, b, h: (b, h, 0, 0))
+    kv_block = pl.BlockSpec((None, width, None, head_dim), lambda j, b, h: (b, j, h, 0))
+    kv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if st.ranges:  # dK/dV: one program per key tile, walking the tokens that may see it
+        r = sel[0].shape[3]
+        ranges_spec = pl.BlockSpec((None, length, None, r, 2), lambda j, b, h: (b, 0, h, 0, 0))
+        dk, dv = pl.pallas_call(
+            functools.partial(_dkdv_ranges_kernel, st=st),
+            grid=(length // width, batch, kv_heads),
+            in_specs=[ranges_spec, q_all, kv_block, kv_block, q_all, stat_all, stat_all, stat_all, *seg_specs],
+            out_specs=[kv_block, kv_block], out_shape=kv_shapes,
+            compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv_ranges",
+        )(*sel, q, k, v, do, m2, inv_l, delta, *seg_args)
+        return dq, dk, dv
+
+    # dK/dV of the block lists: the transpose plan, cut into work items of at most chunk_dkdv
+    # tokens; one program per item writes its partial dK/dV, a second kernel sums them per block
+    num_blocks = length // width
+    chunk = st.blocks.chunk_dkdv
+    tokens_list, offsets = plan.transpose_plan(sel[0][:, :st.seq_len], num_blocks)
+    tokens_list = padding.pad_axis(tokens_list, 2, tokens_list.shape[2] + st.blocks.tokens_dkdv)
+    num_items = num_blocks + pl.cdiv(tokens_list.shape[2], chunk)
+    item_block, item_lo, item_hi, item_first, item_count = _work_items(offsets, num_blocks, chunk, num_items)
+    item_spec = pl.BlockSpec((None, None, num_items), lambda w, b, h: (b, h, 0))
+    kv_all = pl.BlockSpec((None, length, None, head_dim), lambda w, b, h: (b, 0, h, 0))
+    part_spec = pl.BlockSpec((None, None, None, width, head_dim), lambda w, b, h: (b, h, w, 0, 0))
+    part_shape = jax.ShapeDtypeStruct((batch, kv_heads, num_items, width, head_dim), jnp.float32)
+    dk_part, dv_part = pl.pallas_call(
+        functools.partial(_dkdv_lists_kernel, st=st),
+        grid=(num_items, batch, kv_heads),
+        in_specs=[item_spec, item_spec, item_spec,
+                  pl.BlockSpec((None, None, tokens_list.shape[2]), lambda w, b, h: (b, h, 0)),
+                  q_all, kv_all, kv_all, q_all, stat_all, stat_all, stat_all, *seg_specs],
+        out_specs=[part_spec, part_spec], out_shape=[part_shape, part_shape],
+        compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv",
+    )(item_block, item_lo, item_hi, tokens_list, q, k, v, do, m2, inv_l, delta, *seg_args)
+    block_spec = pl.BlockSpec((None, None, num_blocks), lambda j, b, h: (b, h, 0))
+    parts_spec = pl.BlockSpec((None, None, num_items, width, head_dim), lambda j, b, h: (b, h, 0, 0, 0))
+    dk, dv = pl.pallas_call(
+        _sum_items_kernel,
+        grid=(num_blocks, batch, kv_heads),
+        in_specs=[block_spec, block_spec, parts_spec, parts_spec],
+        out_specs=[kv_block, kv_block], out_shape=kv_shapes,
+        compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv_sum",
+    )(item_first, item_count, dk_part, dv_part)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_vjp wiring (on the laid-out arrays) and the entry point.
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _selection(st, q, k, v, sel, seg):
+    out, _, _, lse = _fwd_call(st, q, k, v, sel, seg)
+    return out, lse
+
+
+def _selection_fwd(st, q, k, v, sel, seg):
+    out, m2, inv_l, lse = _fwd_call(st, q, k, v, sel, seg)
+    return (out, lse), (q, k, v, sel, seg, out, m2, inv_l)
+
+
+def _selection_bwd(st, residuals, cotangents):
+    q, k, v, sel, seg, out, m2, inv_l = residuals
+    do, dlse = cotangents
+    delta = jnp.einsum("blhgd,blhgd->bhlg", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
+    dq, dk, dv = _bwd_call(st, q, k, v, sel, seg, do.astype(q.dtype), m2, inv_l, delta)
+    return dq, dk, dv, None, None
+
+
+_selection.defvjp(_selection_fwd, _selection_bwd)
+
+
+def selection_pallas(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=None, block_size: int,
+                     causal: bool, scale: float, precision, config: NSABlockSizes | None = None,
+                     interpret: bool | None = None):
+    """q [B, S, Hq, D], k/v [B, S, Hkv, D] (validated); canonical blocks [B, S, Hkv, n] and counts
+    [B, S, Hkv] (`plan.canonical_blocks`) or disjoint ranges [B, S, Hkv, R, 2]
+    (`plan.disjoint_ranges`); segment ids [B, S] or None -> (out [B, S, Hq, D], lse [B, Hq, S]).
+
+    Lays the arrays out for the kernels: q as [B, L, Hkv, G, D] (a free reshape; the group padded
+    to a power of two only when it is not one), head dim padded to a power of two, sequence to L,
+    a multiple of the tiles (padded keys are masked, padded rows sliced off)."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    batch, seq_len, num_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = num_heads // kv_heads
+    group_pad, head_pad = pow2_at_least(group, 1), pow2_at_least(head_dim)
+    config = config or default_block_sizes(head_pad, interpret, q.dtype)
+    auto = tokens_for_group(group_pad, interpret)
+    config = dataclasses.replace(config, tokens=config.tokens or auto, tokens_dq=config.tokens_dq or auto)
+    if config.tokens_dkdv > 1:  # gathered rows fill at least the smallest dot
+        config = dataclasses.replace(config, tokens_dkdv=max(config.tokens_dkdv, MIN_BLOCK // group_pad))
+    if ranges is None and block_size < MIN_BLOCK:
+        # a dot needs 16 keys: lists of smaller blocks are walked as their ranges (disjoint: the
+        # blocks are canonical), in tiles of block_k_ranges
+        start = jnp.where(blocks >= 0, blocks * block_size, 0)
+        ranges = plan.disjoint_ranges(jnp.stack([start, jnp.where(blocks >= 0, start + block_size, 0)], axis=-1),
+                                      seq_len, causal)
+    use_ranges = ranges is not None
+    width = config.block_k_ranges if use_ranges else block_size
+    tile = max(width, config.tokens, config.tokens_dq)
+    length = pl.cdiv(seq_len, tile) * tile
+
+    qg = q.reshape(batch, seq_len, kv_heads, group, head_dim)
+    qg = padding.pad_axis(padding.pad_axis(padding.pad_axis(qg, 3, group_pad), 4, head_pad), 1, length)
+    kp, vp = (padding.pad_axis(padding.pad_axis(x, 3, head_pad), 1, length) for x in (k, v))
+    if use_ranges:
+        sel = (padding.pad_axis(ranges.astype(jnp.int32), 1, length),)  # padded rows: empty ranges
+    else:
+        sel = (jnp.pad(blocks.astype(jnp.int32), ((0, 0), (0, length - seq_len), (0, 0), (0, 0)),
+                       constant_values=-1), padding.pad_axis(counts.astype(jnp.int32), 1, length))
+    seg = None if q_ids is None else padding.pad_axis(q_ids.astype(jnp.int32), 1, length, mode="edge")
+    st = _Static(scale=scale, causal=causal, has_segments=q_ids is not None, precision=precision,
+                 seq_len=seq_len, length=length, block_size=width, ranges=use_ranges, group=group_pad,
+                 blocks=config, interpret=interpret)
+    out, lse = _selection(st, qg, kp, vp, sel, seg)
+    out = out[:, :seq_len, :, :group, :head_dim].reshape(batch, seq_len, num_heads, head_dim)
+    lse = lse[:, :, :seq_len, :group].transpose(0, 1, 3, 2).reshape(batch, num_heads, seq_len)
+    return out, lse
