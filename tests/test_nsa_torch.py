@@ -266,6 +266,26 @@ def test_select_blocks_rule(block, stride, select_block, n):
         assert np.array_equal(got[~near_tie], want[~near_tie]), impl
 
 
+@pytest.mark.parametrize("block,stride,select_block", [(8, 4, 8), (8, 8, 8)])
+def test_select_blocks_with_segments(block, stride, select_block):
+    """nsa_attention's selection with segment ids (the importance of the segment-masked compression
+    branch): the Triton kernel and the eager definition choose the same blocks."""
+    gen = torch.Generator().manual_seed(7)
+    B, S, Hq, Hkv, D, n = 2, 75, 4, 2, 16, 5
+    q, k, v = _randn(gen, B, S, Hq, D).float(), _randn(gen, B, S, Hkv, D).float(), _randn(gen, B, S, Hkv, D).float()
+    ids = torch.sort(torch.randint(0, 3, (B, S), generator=gen), dim=1).values
+    kc, vc = torch_ref.compress_kv(k, v, block=block, stride=stride)
+    _, lse = torch_ref.compression_attention(q, kc, vc, block=block, stride=stride, segment_ids=ids, return_lse=True,
+                                             implementation="eager")
+    picks = [torch_ref.registry.resolve("nsa", impl, torch_ref.registry.Call.of(q)).fn(
+        "select_blocks", q, kc, lse, block=block, stride=stride, select_block=select_block, num_selected=n,
+        scale=D ** -0.5, segment_ids=ids) for impl in ("triton", "eager")]
+    assert torch.equal(*picks)
+    plain = torch_ref.select_blocks(q, kc, lse, block=block, stride=stride, select_block=select_block, num_selected=n,
+                                    implementation="eager")
+    assert not torch.equal(picks[1], plain)  # the segments change the choice
+
+
 def test_select_blocks_ties_to_lower_index():
     """Equal importances (all compressed keys equal): the lower indices win, every row."""
     B, S, H, D, sb, n = 1, 100, 2, 16, 8, 5

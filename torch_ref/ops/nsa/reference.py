@@ -206,7 +206,8 @@ def importance(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: int,
     Nc, Hkv = k_cmp.shape[1], k_cmp.shape[2]
     G = Hq // Hkv
     stat = _stat_dtype(q.dtype)
-    s = torch.einsum("bqhgd,bkhd->bhgqk", q.reshape(B, S, Hkv, G, D), k_cmp).to(stat) * scale
+    # scores in the statistics dtype (not rounded to a 16-bit input dtype): the choice is discrete
+    s = torch.einsum("bqhgd,bkhd->bhgqk", q.reshape(B, S, Hkv, G, D).to(stat), k_cmp.to(stat)) * scale
     lse = lse_cmp.to(stat).reshape(B, Hkv, G, S)[..., None]
     vis = compression_mask(S, Nc, block, stride, segment_ids, q.device)[:, :, None]
     seen = torch.isfinite(lse)

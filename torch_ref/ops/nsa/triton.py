@@ -59,7 +59,8 @@ class NSABlockSizes:
       min(block_n_dkv, block_size) for block lists); tokens_dkv: query tokens per dK/dV step (rows =
       tokens_dkv * padded group); chunk_dkv: the most plan pieces one dK/dV program takes (longer
       lists are split; their partials are summed in order); query_chunk: query tokens per step of
-      the importance (bounds its [B, Hq, chunk, Nc] scores)."""
+      the selection (bounds its fp32 importance [B, chunk, Hkv, Nsel] and the top-n's keys);
+      block_imp: the importance kernel's query tile (and its compression / selection tile)."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -69,15 +70,16 @@ class NSABlockSizes:
     chunk_dkv: int = 1024
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
-    query_chunk: int = 1024
+    query_chunk: int = 8192
+    block_imp: int = 64
 
     def __post_init__(self):
-        for name in ("block_n", "block_n_dkv", "tokens_dkv"):
+        for name in ("block_n", "block_n_dkv", "tokens_dkv", "block_imp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"NSABlockSizes.{name} must be a power of two, got {value!r}")
-        if self.block_n < 16 or self.block_n_dkv < 16:
-            raise ValueError(f"NSABlockSizes.block_n and block_n_dkv must be >= 16 (tl.dot), got {self}")
+        if min(self.block_n, self.block_n_dkv, self.block_imp) < 16:
+            raise ValueError(f"NSABlockSizes.block_n, block_n_dkv and block_imp must be >= 16 (tl.dot), got {self}")
         for name in ("num_warps", "num_stages", "chunk_dkv", "num_warps_bwd", "num_stages_bwd", "query_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -90,11 +92,11 @@ def default_nsa_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> 
     edges."""
     if not on_gpu:
         return NSABlockSizes(block_n=16, num_warps=4, num_stages=1, block_n_dkv=16, tokens_dkv=2, chunk_dkv=8,
-                             num_warps_bwd=4, num_stages_bwd=1, query_chunk=16)
+                             num_warps_bwd=4, num_stages_bwd=1, query_chunk=24, block_imp=16)
     wide = dtype == torch.float32 or block_d(head_dim) > 128
     return NSABlockSizes(block_n=64 if not wide else 32, num_warps=4, num_stages=2, block_n_dkv=64,
                          tokens_dkv=4 if not wide else 2, chunk_dkv=1024, num_warps_bwd=4, num_stages_bwd=2,
-                         query_chunk=1024)
+                         query_chunk=8192, block_imp=64)
 
 
 def _rows(group: int) -> int:
@@ -167,14 +169,15 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, DQ, M2, INV_L, DELTA, RANGES, SEG,
-               sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sds, sdh, sdd,
+def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, SEG,
+               sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod, sdb, sds, sdh, sdd,
                sgb, sgs, sgh, sgd, srb, srs, srh, srr, src, ssb, sss,
                S, Hq, R, GROUP, score_mul, scale,
                HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+               HAS_SEGMENTS: tl.constexpr, HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr):
     """grid (S, Hkv, B): dQ of query token t at the group's heads, over the forward's tiles.
-    dS = P (dP - delta), dq = scale dS k."""
+    delta = rowsum(dO * O) - dlse (stored to DELTA [B, Hq, S] for the dK/dV kernel), dS = P (dP -
+    delta), dq = scale dS k."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -187,10 +190,14 @@ def _dq_kernel(Q, K, V, DO, DQ, M2, INV_L, DELTA, RANGES, SEG,
     rd_ok = r_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * sqb + t * sqs + hq[:, None] * sqh + d[None, :] * sqd, mask=rd_ok, other=0.0)
     do = tl.load(DO + b * sdb + t * sds + hq[:, None] * sdh + d[None, :] * sdd, mask=rd_ok, other=0.0)
+    o = tl.load(O + b * sob + t * sos + hq[:, None] * soh + d[None, :] * sod, mask=rd_ok, other=0.0)
     stat = (b * Hq + hq) * S + t
     m2 = tl.load(M2 + stat, mask=r_ok, other=float("inf"))
     inv_l = tl.load(INV_L + stat, mask=r_ok, other=0.0)
-    delta = tl.load(DELTA + stat, mask=r_ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + stat, mask=r_ok, other=0.0)
+    tl.store(DELTA + stat, delta, mask=r_ok)
     k_base = K + b * skb + g * skh
     v_base = V + b * svb + g * svh
     qs = 0
@@ -385,10 +392,8 @@ def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, segment_ids, scale, conf
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    delta = (do.float() * out.float()).sum(-1).transpose(1, 2)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)  # the dQ kernel fills it
+    dlse = None if dlse is None else dlse.float().contiguous()
     seg, seg_strides = _seg_args(segment_ids, q)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -403,9 +408,10 @@ def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, segment_ids, scale, conf
     dvp = torch.empty_like(dkp)
     with device_ctx(q):
         _dq_kernel[(S, Hkv, B)](
-            q, k, v, do, dq, m2, inv_l, delta, spans, seg, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            *dq.stride(), *spans.stride(), *seg_strides, S, Hq, spans.shape[3], G, scale * LOG2E, scale,
-            BLOCK_N=_tile(config, "block_n", block_size), **common)
+            q, k, v, out, do, delta if dlse is None else dlse, dq, m2, inv_l, delta, spans, seg, *q.stride(),
+            *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(), *spans.stride(), *seg_strides, S,
+            Hq, spans.shape[3], G, scale * LOG2E, scale, BLOCK_N=_tile(config, "block_n", block_size),
+            HAS_DLSE=dlse is not None, **common)
         if n_chunks:
             _dkv_kernel[(n_chunks,)](
                 q, k, v, do, m2, inv_l, delta, seg, *pieces, *chunks, dkp, dvp, *q.stride(), *k.stride(),
@@ -460,10 +466,11 @@ def compress_kv(k, v, *, block: int, stride: int, params=None):
 def compression(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, segment_ids=None, config=None):
     """Compression attention on the softmax kernels: queries t = block - 1 + m * stride + r (r <
     stride) all see blocks 0..m, so row m of a causal attention over the Nc compressed keys serves
-    the stride queries of fold r. Without segment ids the folds become query heads (head h * stride
-    + r reads kv head h // group: the GQA map); with them, batch rows (each fold its own query
-    ids; a block's id is `reference.compressed_segments`', straddling blocks match no query).
-    Queries t < block - 1 see no block: out 0, lse -inf."""
+    the stride queries of fold r. The folds become batch rows (B * stride; the compressed keys a
+    stride-0 view where B = 1), so the kernels keep the GQA group and their parallelism; with segment
+    ids each fold has its own query ids, doubled, and a block's id is
+    `reference.compressed_segments`' (a straddling block matches no query). Queries t < block - 1
+    see no block: out 0, lse -inf."""
     from ... import api  # the softmax entry point (validated, differentiable)
 
     B, S, Hq, D = q.shape
@@ -473,25 +480,18 @@ def compression(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, segme
         return q * 0, torch.full((B, Hq, S), float("-inf"), dtype=torch.float32, device=q.device)
     rows = Nc * stride  # folded queries: t in [head, head + rows) (the tail past S is padding)
     qf = torch.nn.functional.pad(q[:, head:], (0, 0, 0, 0, 0, rows - (S - head)))
-    qf = qf.reshape(B, Nc, stride, Hq, D)
-    if segment_ids is None:
-        qf = qf.permute(0, 1, 3, 2, 4).reshape(B, Nc, Hq * stride, D)
-        o, lse = api.flash_attention(qf, k_cmp, v_cmp, causal=True, scale=scale, return_lse=True,
-                                     implementation="triton")
-        o = o.reshape(B, Nc, Hq, stride, D).permute(0, 1, 3, 2, 4).reshape(B, rows, Hq, D)
-        lse = lse.reshape(B, Hq, stride, Nc).transpose(2, 3).reshape(B, Hq, rows)
-    else:
-        qf = qf.permute(0, 2, 1, 3, 4).reshape(B * stride, Nc, Hq, D)
-        ids = 2 * segment_ids.to(torch.int64)
-        q_ids = torch.nn.functional.pad(ids[:, head:], (0, rows - (S - head)))
+    qf = qf.reshape(B, Nc, stride, Hq, D).transpose(1, 2).reshape(B * stride, Nc, Hq, D)
+    kf, vf = (x[:, None].expand(B, stride, *x.shape[1:]).reshape(B * stride, *x.shape[1:]) for x in (k_cmp, v_cmp))
+    ids = None
+    if segment_ids is not None:
+        q_ids = torch.nn.functional.pad(2 * segment_ids[:, head:].to(torch.int64), (0, rows - (S - head)))
         q_ids = q_ids.reshape(B, Nc, stride).transpose(1, 2).reshape(B * stride, Nc)
         kv_ids = reference.compressed_segments(segment_ids, block, stride)
-        kv_ids = kv_ids[:, None].expand(B, stride, Nc).reshape(B * stride, Nc)
-        kf, vf = (x[:, None].expand(B, stride, *x.shape[1:]).reshape(B * stride, *x.shape[1:]) for x in (k_cmp, v_cmp))
-        o, lse = api.flash_attention(qf, kf, vf, causal=True, scale=scale, segment_ids=(q_ids, kv_ids),
-                                     return_lse=True, implementation="triton")
-        o = o.reshape(B, stride, Nc, Hq, D).transpose(1, 2).reshape(B, rows, Hq, D)
-        lse = lse.reshape(B, stride, Hq, Nc).permute(0, 2, 3, 1).reshape(B, Hq, rows)
+        ids = (q_ids, kv_ids[:, None].expand(B, stride, Nc).reshape(B * stride, Nc))
+    o, lse = api.flash_attention(qf, kf, vf, causal=True, scale=scale, segment_ids=ids, return_lse=True,
+                                 implementation="triton")
+    o = o.reshape(B, stride, Nc, Hq, D).transpose(1, 2).reshape(B, rows, Hq, D)
+    lse = lse.reshape(B, stride, Hq, Nc).permute(0, 2, 3, 1).reshape(B, Hq, rows)
     o = torch.cat([o.new_zeros((B, head, Hq, D)), o[:, :S - head]], dim=1)
     lse = torch.cat([lse.new_full((B, Hq, head), float("-inf")), lse[..., :S - head]], dim=-1)
     return o, lse
@@ -520,33 +520,98 @@ def _top_n(imp, t, num_selected: int, select_block: int):
     return torch.where(idx == big, -1, idx).to(torch.int32)
 
 
+@triton.jit
+def _importance_kernel(Q, KC, LSE, SEG, BLK_SEG, IMP, t0, C, S, Nc, Nsel, NJ, GROUP,
+                       sqb, sqs, sqh, sqd, skb, sks, skh, skd, slb, slh, sls, ssb, sss, sbb, sbn,
+                       sib, sis, sih, sij, score_mul,
+                       BLOCK: tl.constexpr, STRIDE: tl.constexpr, SELECT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+                       IDENTITY: tl.constexpr, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(C, BLOCK_M), Hkv * NJ, B): IMP[b, t - t0, g, j] for queries t in [t0, t0 + C) and
+    the selection tile of BLOCK_J blocks, = sum over compression blocks i (the tile's overlap range,
+    block-causal) of overlap[i, j] * sum over the group's heads h of 2^(s2 - lse2) (the compression
+    softmax's probabilities). IDENTITY (block == stride == select): overlap is the identity and the
+    compression tile is the selection tile (BLOCK_I == BLOCK_J); else an fp32 (IEEE) product with
+    the overlap tile, computed from the geometry."""
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1) // NJ
+    jt = tl.program_id(1) % NJ
+    b = tl.program_id(2).to(tl.int64)
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = local < C
+    t = (t0 + local).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    j = jt * BLOCK_J + tl.arange(0, BLOCK_J)
+    j_lo = jt * BLOCK_J
+    j_hi = tl.minimum(j_lo + BLOCK_J, Nsel)
+    t_max = tl.minimum(t0 + tl.minimum((pid_m + 1) * BLOCK_M, C), S) - 1
+    # the compression blocks that share a key with the tile, and are complete at t_max
+    # (no division of negatives: compiled Triton truncates, the interpreter floors)
+    i_lo = tl.where(j_lo * SELECT >= BLOCK, (tl.maximum(j_lo * SELECT - BLOCK, 0)) // STRIDE + 1, 0)
+    i_hi = tl.minimum(Nc, (j_hi * SELECT + STRIDE - 1) // STRIDE)
+    i_hi = tl.minimum(i_hi, tl.where(t_max >= BLOCK - 1, tl.maximum(t_max - BLOCK + 1, 0) // STRIDE + 1, 0))
+    qs = 0
+    if HAS_SEGMENTS:
+        qs = 2 * tl.load(SEG + b * ssb + t * sss, mask=m_ok, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
+    for i0 in range(i_lo, i_hi, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        i_ok = i < i_hi
+        vis = m_ok[:, None] & i_ok[None, :] & (i[None, :] * STRIDE + BLOCK - 1 <= t[:, None])
+        if HAS_SEGMENTS:
+            blk = tl.load(BLK_SEG + b * sbb + i * sbn, mask=i_ok, other=0)
+            vis = vis & (blk[None, :] == qs[:, None])
+        kcT = tl.load(KC + b * skb + g * skh + i[None, :] * sks + d[:, None] * skd, mask=i_ok[None, :] & d_ok[:, None],
+                      other=0.0)
+        psum = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+        for h in range(GROUP):
+            hq = g * GROUP + h
+            q = tl.load(Q + b * sqb + t[:, None] * sqs + hq * sqh + d[None, :] * sqd,
+                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            lse2 = tl.load(LSE + b * slb + hq * slh + t * sls, mask=m_ok, other=float("-inf")) * 1.4426950408889634
+            seen = lse2 > float("-inf")
+            s2 = tl.dot(q, kcT, input_precision=PRECISION) * score_mul
+            psum += tl.where(vis & seen[:, None], tl.exp2(s2 - tl.where(seen, lse2, 0.0)[:, None]), 0.0)
+        if IDENTITY:
+            acc += psum
+        else:
+            ov = ((i[:, None] * STRIDE < (j[None, :] + 1) * SELECT)
+                  & (i[:, None] * STRIDE + BLOCK > j[None, :] * SELECT)).to(tl.float32)
+            acc = tl.dot(psum, ov, acc, input_precision="ieee")
+    tl.store(IMP + b * sib + local[:, None] * sis + g * sih + j[None, :] * sij, acc,
+             mask=m_ok[:, None] & (j < Nsel)[None, :])
+
+
 def select_blocks(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: int, num_selected: int,
                   scale: float, segment_ids=None, config: NSABlockSizes = None):
-    """int32 [B, S, Hkv, num_selected]: the importance of `reference.importance` for chunks of
-    query_chunk queries at a time (never the whole [B, S, Hq, Nc]), each chunk's top-n at once."""
+    """int32 [B, S, Hkv, num_selected]: the importance (`_importance_kernel`) of query_chunk
+    queries at a time, fp32 [B, chunk, Hkv, Nsel] (never the [B, S, Hq, Nc] probabilities), and each
+    chunk's top-n by one torch.topk (`_top_n`)."""
     config = config or default_nsa_block_sizes(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
     B, S, Hq, D = q.shape
     Nc, Hkv = k_cmp.shape[1], k_cmp.shape[2]
     G = Hq // Hkv
+    Nsel = spec.selection_count(S, select_block)
     out = torch.empty((B, S, Hkv, num_selected), dtype=torch.int32, device=q.device)
-    overlap = torch.from_numpy(spec.overlap_matrix(S, block, stride, select_block).copy()).to(q.device)
     identity = block == stride == select_block
-    i = torch.arange(Nc, device=q.device)
-    blk_ids = None if segment_ids is None else reference.compressed_segments(segment_ids, block, stride)
-    with torch.no_grad():
+    block_j = config.block_imp if identity else max(16, config.block_imp // 4)
+    nj = triton.cdiv(Nsel, block_j)
+    if segment_ids is None:
+        seg = blk = torch.zeros(1, dtype=torch.int64, device=q.device)
+        seg_strides = (0, 0, 0, 0)
+    else:
+        seg, blk = segment_ids, reference.compressed_segments(segment_ids, block, stride)
+        seg_strides = (*seg.stride(), *blk.stride())
+    with torch.no_grad(), device_ctx(q):
         for t0 in range(0, S, config.query_chunk):
-            t = torch.arange(t0, min(S, t0 + config.query_chunk), device=q.device)
-            C = t.numel()
-            s = torch.einsum("bqhgd,bkhd->bhgqk", q[:, t0:t0 + C].reshape(B, C, Hkv, G, D), k_cmp).float()
-            lse = lse_cmp[:, :, t0:t0 + C].float().reshape(B, Hkv, G, C, 1)
-            seen = torch.isfinite(lse)
-            vis = (spec.compressed_end(i, block, stride)[None, :] <= t[:, None])[None, None, None] & seen
-            if blk_ids is not None:
-                vis = vis & (2 * segment_ids[:, t0:t0 + C].to(torch.int64)[:, None, None, :, None]
-                             == blk_ids[:, None, None, None, :])
-            p = torch.where(vis, torch.exp(s * scale - torch.where(seen, lse, 0)), 0).sum(2)  # [B, Hkv, C, Nc]
-            # block == stride == select_block: overlap is the identity (plus an empty last column
-            # where S is no multiple of the block)
-            imp = torch.nn.functional.pad(p, (0, overlap.shape[1] - Nc)) if identity else p @ overlap
-            out[:, t0:t0 + C] = _top_n(imp.transpose(1, 2), t, num_selected, select_block)
+            C = min(config.query_chunk, S - t0)
+            imp = torch.empty((B, C, Hkv, Nsel), dtype=torch.float32, device=q.device)
+            _importance_kernel[(triton.cdiv(C, config.block_imp), Hkv * nj, B)](
+                q, k_cmp, lse_cmp, seg, blk, imp, t0, C, S, Nc, Nsel, nj, G, *q.stride(), *k_cmp.stride(),
+                *lse_cmp.stride(), *seg_strides, *imp.stride(), scale * LOG2E, BLOCK=block, STRIDE=stride,
+                SELECT=select_block, HEAD_DIM=D, BLOCK_M=config.block_imp, BLOCK_I=block_j if identity else config.block_imp,
+                BLOCK_J=block_j, BLOCK_D=block_d(D), IDENTITY=identity, HAS_SEGMENTS=segment_ids is not None,
+                PRECISION=precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+            out[:, t0:t0 + C] = _top_n(imp, torch.arange(t0, t0 + C, device=q.device), num_selected, select_block)
     return out
