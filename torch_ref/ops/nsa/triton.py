@@ -500,37 +500,29 @@ def compression(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, segme
 # ----------------------------------------------------------------------------------------------
 # Block selection: importance (chunks of queries) and the top-n rule
 # ----------------------------------------------------------------------------------------------
-def _top_n(imp, t, num_selected: int, select_block: int):
-    """The rule of `reference.top_n` for rows at positions t [C] (imp [B, C, Hkv, Nsel] fp32, >= 0)
-    by one torch.topk over unique int64 keys: the importance's bits (order-preserving for
-    non-negative floats; forced blocks +inf), then the reversed index, so that equal importances
-    order by the lower index; blocks beyond the frontier get key -1."""
-    Nsel = imp.shape[-1]
-    j = torch.arange(Nsel, device=imp.device)
-    tt = t[None, :, None, None]
-    score = imp.float()
-    for f in spec.forced_blocks(tt, select_block):
-        score = torch.where(j == f, float("inf"), score)
-    bits = score.view(torch.int32).to(torch.int64)
-    key = torch.where(j > tt // select_block, -1, (bits << 32) | (Nsel - 1 - j))
-    top = torch.topk(key, num_selected, dim=-1, sorted=False)
+def _top_n(keys, num_selected: int):
+    """The rule of `reference.top_n` from the importance kernel's unique int64 keys [..., Nsel]
+    (importance bits << 32 | Nsel - 1 - j, forced blocks with +inf's bits, -1 beyond the frontier):
+    one torch.topk (unique keys: one answer, ties to the lower index), decoded, ascending, -1 last."""
+    Nsel = keys.shape[-1]
+    top = torch.topk(keys, num_selected, dim=-1, sorted=False).values
     big = torch.iinfo(torch.int32).max
-    idx = torch.where(top.values >= 0, (Nsel - 1) - (top.values & 0xFFFFFFFF), big)
+    idx = torch.where(top >= 0, (Nsel - 1) - (top & 0xFFFFFFFF), big)
     idx = torch.sort(idx, dim=-1).values
     return torch.where(idx == big, -1, idx).to(torch.int32)
 
 
 @triton.jit
-def _importance_kernel(Q, KC, LSE, SEG, BLK_SEG, IMP, t0, C, S, Nc, Nsel, NJ, GROUP,
+def _importance_kernel(Q, KC, LSE, SEG, BLK_SEG, KEYS, t0, C, S, Nc, Nsel, NJ, GROUP,
                        sqb, sqs, sqh, sqd, skb, sks, skh, skd, slb, slh, sls, ssb, sss, sbb, sbn,
                        sib, sis, sih, sij, score_mul,
                        BLOCK: tl.constexpr, STRIDE: tl.constexpr, SELECT: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
                        IDENTITY: tl.constexpr, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
-    """grid (cdiv(C, BLOCK_M), Hkv * NJ, B): IMP[b, t - t0, g, j] for queries t in [t0, t0 + C) and
-    the selection tile of BLOCK_J blocks, = sum over compression blocks i (the tile's overlap range,
-    block-causal) of overlap[i, j] * sum over the group's heads h of 2^(s2 - lse2) (the compression
-    softmax's probabilities). IDENTITY (block == stride == select): overlap is the identity and the
+    """grid (cdiv(C, BLOCK_M), Hkv * NJ, B): KEYS[b, t - t0, g, j] (int64, `_top_n`'s) of the
+    importance of selection block j for query t in [t0, t0 + C) (a tile of BLOCK_J blocks): the sum
+    over compression blocks i (the tile's overlap range, block-causal) of overlap[i, j] * the sum over
+    the group's heads h of 2^(s2 - lse2) (the compression softmax's probabilities). IDENTITY (block == stride == select): overlap is the identity and the
     compression tile is the selection tile (BLOCK_I == BLOCK_J); else an fp32 (IEEE) product with
     the overlap tile, computed from the geometry."""
     pid_m = tl.program_id(0)
@@ -579,15 +571,21 @@ def _importance_kernel(Q, KC, LSE, SEG, BLK_SEG, IMP, t0, C, S, Nc, Nsel, NJ, GR
             ov = ((i[:, None] * STRIDE < (j[None, :] + 1) * SELECT)
                   & (i[:, None] * STRIDE + BLOCK > j[None, :] * SELECT)).to(tl.float32)
             acc = tl.dot(psum, ov, acc, input_precision="ieee")
-    tl.store(IMP + b * sib + local[:, None] * sis + g * sih + j[None, :] * sij, acc,
+    # the top-n's keys (`_top_n`): importance bits (order-preserving for floats >= 0; forced blocks
+    # +inf), then the reversed index (equal importances: the lower index larger); -1 beyond t's frontier
+    own = t // SELECT
+    forced = (j[None, :] == 0) | (j[None, :] == own[:, None] - 1) | (j[None, :] == own[:, None])
+    bits = tl.where(forced, float("inf"), acc).to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(j[None, :] > own[:, None], -1, (bits << 32) | (Nsel - 1 - j[None, :]).to(tl.int64))
+    tl.store(KEYS + b * sib + local[:, None] * sis + g * sih + j[None, :] * sij, key,
              mask=m_ok[:, None] & (j < Nsel)[None, :])
 
 
 def select_blocks(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: int, num_selected: int,
                   scale: float, segment_ids=None, config: NSABlockSizes = None):
-    """int32 [B, S, Hkv, num_selected]: the importance (`_importance_kernel`) of query_chunk
-    queries at a time, fp32 [B, chunk, Hkv, Nsel] (never the [B, S, Hq, Nc] probabilities), and each
-    chunk's top-n by one torch.topk (`_top_n`)."""
+    """int32 [B, S, Hkv, num_selected]: the importance of query_chunk queries at a time as top-n keys
+    int64 [B, chunk, Hkv, Nsel] (`_importance_kernel`; never the [B, S, Hq, Nc] probabilities), and
+    each chunk's top-n by one torch.topk (`_top_n`)."""
     config = config or default_nsa_block_sizes(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
     B, S, Hq, D = q.shape
     Nc, Hkv = k_cmp.shape[1], k_cmp.shape[2]
@@ -606,12 +604,12 @@ def select_blocks(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: i
     with torch.no_grad(), device_ctx(q):
         for t0 in range(0, S, config.query_chunk):
             C = min(config.query_chunk, S - t0)
-            imp = torch.empty((B, C, Hkv, Nsel), dtype=torch.float32, device=q.device)
+            keys = torch.empty((B, C, Hkv, Nsel), dtype=torch.int64, device=q.device)
             _importance_kernel[(triton.cdiv(C, config.block_imp), Hkv * nj, B)](
-                q, k_cmp, lse_cmp, seg, blk, imp, t0, C, S, Nc, Nsel, nj, G, *q.stride(), *k_cmp.stride(),
-                *lse_cmp.stride(), *seg_strides, *imp.stride(), scale * LOG2E, BLOCK=block, STRIDE=stride,
+                q, k_cmp, lse_cmp, seg, blk, keys, t0, C, S, Nc, Nsel, nj, G, *q.stride(), *k_cmp.stride(),
+                *lse_cmp.stride(), *seg_strides, *keys.stride(), scale * LOG2E, BLOCK=block, STRIDE=stride,
                 SELECT=select_block, HEAD_DIM=D, BLOCK_M=config.block_imp, BLOCK_I=block_j if identity else config.block_imp,
                 BLOCK_J=block_j, BLOCK_D=block_d(D), IDENTITY=identity, HAS_SEGMENTS=segment_ids is not None,
                 PRECISION=precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
-            out[:, t0:t0 + C] = _top_n(imp, torch.arange(t0, t0 + C, device=q.device), num_selected, select_block)
+            out[:, t0:t0 + C] = _top_n(keys, num_selected)
     return out
