@@ -237,7 +237,8 @@ def _plain_rule(imp, n, select_block):
             for h in range(Hkv):
                 own = t // select_block
                 forced = {j for j in spec.forced_blocks(t, select_block) if j >= 0}
-                order = sorted(range(own + 1), key=lambda j: (j not in forced, 0 if j in forced else -imp[b, t, h, j], j))
+                order = sorted(range(own + 1),
+                               key=lambda j: (j not in forced, 0 if j in forced else -imp[b, t, h, j], j))
                 chosen = order[:n]
                 out[b, t, h, :len(chosen)] = sorted(chosen)
                 if len(order) > n and order[n - 1] not in forced:
@@ -395,7 +396,8 @@ def test_argument_errors():
         sel(q, kv, kv, idx, ranges=ranges)
     bad = ranges.clone()
     bad[0, 5, 1, 2] = torch.tensor([9, 4])
-    with pytest.raises(ValueError, match=r"ranges must have start <= end, got \[9, 4\] at \[b, t, h, r\] = \[0, 5, 1, 2\]"):
+    with pytest.raises(ValueError,
+                       match=r"ranges must have start <= end, got \[9, 4\] at \[b, t, h, r\] = \[0, 5, 1, 2\]"):
         sel(q, kv, kv, ranges=bad)
     with pytest.raises(ValueError, match=r"ranges must have shape \[B, S, Hkv, R, 2\]"):
         sel(q, kv, kv, ranges=ranges[..., :1])

@@ -474,7 +474,7 @@ def compression(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, segme
     from ... import api  # the softmax entry point (validated, differentiable)
 
     B, S, Hq, D = q.shape
-    Nc, Hkv = k_cmp.shape[1], k_cmp.shape[2]
+    Nc = k_cmp.shape[1]
     head = block - 1
     if Nc == 0:
         return q * 0, torch.full((B, Hq, S), float("-inf"), dtype=torch.float32, device=q.device)
@@ -522,9 +522,9 @@ def _importance_kernel(Q, KC, LSE, SEG, BLK_SEG, KEYS, t0, C, S, Nc, Nsel, NJ, G
     """grid (cdiv(C, BLOCK_M), Hkv * NJ, B): KEYS[b, t - t0, g, j] (int64, `_top_n`'s) of the
     importance of selection block j for query t in [t0, t0 + C) (a tile of BLOCK_J blocks): the sum
     over compression blocks i (the tile's overlap range, block-causal) of overlap[i, j] * the sum over
-    the group's heads h of 2^(s2 - lse2) (the compression softmax's probabilities). IDENTITY (block == stride == select): overlap is the identity and the
-    compression tile is the selection tile (BLOCK_I == BLOCK_J); else an fp32 (IEEE) product with
-    the overlap tile, computed from the geometry."""
+    the group's heads h of 2^(s2 - lse2) (the compression softmax's probabilities). IDENTITY (block
+    == stride == select): overlap is the identity and the compression tile is the selection tile
+    (BLOCK_I == BLOCK_J); else an fp32 (IEEE) product with the overlap tile, from the geometry."""
     pid_m = tl.program_id(0)
     g = tl.program_id(1) // NJ
     jt = tl.program_id(1) % NJ
@@ -608,8 +608,9 @@ def select_blocks(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: i
             _importance_kernel[(triton.cdiv(C, config.block_imp), Hkv * nj, B)](
                 q, k_cmp, lse_cmp, seg, blk, keys, t0, C, S, Nc, Nsel, nj, G, *q.stride(), *k_cmp.stride(),
                 *lse_cmp.stride(), *seg_strides, *keys.stride(), scale * LOG2E, BLOCK=block, STRIDE=stride,
-                SELECT=select_block, HEAD_DIM=D, BLOCK_M=config.block_imp, BLOCK_I=block_j if identity else config.block_imp,
-                BLOCK_J=block_j, BLOCK_D=block_d(D), IDENTITY=identity, HAS_SEGMENTS=segment_ids is not None,
-                PRECISION=precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+                SELECT=select_block, HEAD_DIM=D, BLOCK_M=config.block_imp,
+                BLOCK_I=block_j if identity else config.block_imp, BLOCK_J=block_j, BLOCK_D=block_d(D),
+                IDENTITY=identity, HAS_SEGMENTS=segment_ids is not None, PRECISION=precision(q.dtype),
+                num_warps=config.num_warps, num_stages=config.num_stages)
             out[:, t0:t0 + C] = _top_n(keys, num_selected)
     return out
