@@ -459,10 +459,8 @@ def nsa_attention(q, k, v, gates, *, compress_block=32, compress_stride=16, sele
     spans = nsa_ref.blocks_to_ranges(blocks, cfg.select_block, True, S)
     o_slc, _ = entry.fn("selection", q, k, v, spans, scale=scale, segment_ids=segment_ids,
                         block_size=cfg.select_block, config=registry.check_config(entry, None, call))
-    g = gates.float()
-    out = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float()
+    o_win = None
     if cfg.window > 0:
         o_win = flash_attention(q, k, v, causal=True, window=(cfg.window - 1, 0), scale=scale, segment_ids=segment_ids,
                                 implementation=entry.name)
-        out = out + g[..., 2:3] * o_win.float()
-    return out.to(q.dtype)
+    return entry.fn("combine", gates, o_cmp, o_slc, o_win)

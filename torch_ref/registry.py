@@ -140,7 +140,7 @@ def _dilated_triton(q, k, v, *, segment_lengths, dilation_rates, causal, merge, 
 
 
 # NSA has several operations (attn_spec.nsa): an entry's fn takes the operation's name first,
-# `fn(op, *args, **kwargs)`, op one of "selection", "compress_kv", "compression", "select_blocks",
+# `fn(op, *args, **kwargs)`, op one of "selection", "compress_kv", "compression", "select_blocks", "combine",
 # each with the arguments of `torch_ref.ops.nsa.reference`'s function of that name (the Triton
 # module's take `config` as well).
 def _nsa_eager(op: str, *args, config=None, **kwargs):

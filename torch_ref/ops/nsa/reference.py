@@ -243,3 +243,17 @@ def select_blocks(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: i
         imp = importance(q, k_cmp, lse_cmp, block=block, stride=stride, select_block=select_block, scale=scale,
                          segment_ids=segment_ids)
         return top_n(imp, num_selected, select_block)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gates
+# ----------------------------------------------------------------------------------------------
+def combine(gates, o_cmp, o_slc, o_win=None):
+    """`g[..., 0] o_cmp + g[..., 1] o_slc + g[..., 2] o_win` in float32 (float64 for float64), in
+    o_cmp's dtype; o_win None: the window branch is off."""
+    stat = _stat_dtype(o_cmp.dtype)
+    g = gates.to(stat)
+    out = g[..., 0:1] * o_cmp.to(stat) + g[..., 1:2] * o_slc.to(stat)
+    if o_win is not None:
+        out = out + g[..., 2:3] * o_win.to(stat)
+    return out.to(o_cmp.dtype)

@@ -43,8 +43,8 @@ LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 MIN_ROWS = 16  # tl.dot's smallest tile side: the padded GQA group
 
-__all__ = ["NSABlockSizes", "default_nsa_block_sizes", "SelectionFn", "selection", "compression", "select_blocks",
-           "compress_kv", "INTERPRETED"]
+__all__ = ["NSABlockSizes", "default_nsa_block_sizes", "SelectionFn", "CombineFn", "selection", "compression",
+           "select_blocks", "compress_kv", "combine", "INTERPRETED"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -495,6 +495,96 @@ def compression(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, segme
     o = torch.cat([o.new_zeros((B, head, Hq, D)), o[:, :S - head]], dim=1)
     lse = torch.cat([lse.new_full((B, Hq, head), float("-inf")), lse[..., :S - head]], dim=-1)
     return o, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Gates: one pass over the branches' outputs, forward and backward
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _combine_fwd_kernel(G, OC, OS, OW, OUT, N, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows r of the flattened [N, D] outputs: out = g0 o_cmp + g1 o_slc (+ g2 o_win), fp32."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    r_ok = r < N
+    mask = r_ok[:, None] & (d < HEAD_DIM)[None, :]
+    at = r[:, None] * HEAD_DIM + d[None, :]
+    g0 = tl.load(G + r * 3, mask=r_ok, other=0.0).to(tl.float32)
+    g1 = tl.load(G + r * 3 + 1, mask=r_ok, other=0.0).to(tl.float32)
+    out = g0[:, None] * tl.load(OC + at, mask=mask, other=0.0).to(tl.float32)
+    out += g1[:, None] * tl.load(OS + at, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WINDOW:
+        g2 = tl.load(G + r * 3 + 2, mask=r_ok, other=0.0).to(tl.float32)
+        out += g2[:, None] * tl.load(OW + at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + at, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_bwd_kernel(DOUT, G, OC, OS, OW, DG, DOC, DOS, DOW, N, HEAD_DIM: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """d o_i = g_i dout, d g_i = sum_d dout o_i (fp32 products, stored in the tensors' dtypes)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    r_ok = r < N
+    mask = r_ok[:, None] & (d < HEAD_DIM)[None, :]
+    at = r[:, None] * HEAD_DIM + d[None, :]
+    dout = tl.load(DOUT + at, mask=mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(3):
+        if i < 2 or HAS_WINDOW:
+            if i == 0:
+                src, dst = OC, DOC
+            elif i == 1:
+                src, dst = OS, DOS
+            else:
+                src, dst = OW, DOW
+            g = tl.load(G + r * 3 + i, mask=r_ok, other=0.0).to(tl.float32)
+            o = tl.load(src + at, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dst + at, (g[:, None] * dout).to(dst.dtype.element_ty), mask=mask)
+            tl.store(DG + r * 3 + i, tl.sum(dout * o, axis=1).to(DG.dtype.element_ty), mask=r_ok)
+
+
+_COMBINE_ROWS = 16
+
+
+class CombineFn(torch.autograd.Function):
+    """The gated sum of the branches (`reference.combine`) in one pass; o_win may be None."""
+
+    @staticmethod
+    def forward(ctx, gates, o_cmp, o_slc, o_win):
+        gates, o_cmp, o_slc = (x.contiguous() for x in (gates, o_cmp, o_slc))
+        o_win = None if o_win is None else o_win.contiguous()
+        out = torch.empty_like(o_cmp)
+        D = o_cmp.shape[-1]
+        N = o_cmp.numel() // max(D, 1)
+        if N:
+            with device_ctx(o_cmp):
+                _combine_fwd_kernel[(triton.cdiv(N, _COMBINE_ROWS),)](
+                    gates, o_cmp, o_slc, o_cmp if o_win is None else o_win, out, N, HEAD_DIM=D,
+                    HAS_WINDOW=o_win is not None, BLOCK_R=_COMBINE_ROWS, BLOCK_D=triton.next_power_of_2(D))
+        ctx.save_for_backward(gates, o_cmp, o_slc, o_win)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gates, o_cmp, o_slc, o_win = ctx.saved_tensors
+        dout = dout.contiguous()
+        dg = torch.zeros_like(gates)
+        doc, dos = torch.empty_like(o_cmp), torch.empty_like(o_slc)
+        dow = None if o_win is None else torch.empty_like(o_win)
+        D = o_cmp.shape[-1]
+        N = o_cmp.numel() // max(D, 1)
+        if N:
+            with device_ctx(o_cmp):
+                _combine_bwd_kernel[(triton.cdiv(N, _COMBINE_ROWS),)](
+                    dout, gates, o_cmp, o_slc, o_cmp if o_win is None else o_win, dg, doc, dos,
+                    doc if dow is None else dow, N, HEAD_DIM=D, HAS_WINDOW=o_win is not None, BLOCK_R=_COMBINE_ROWS,
+                    BLOCK_D=triton.next_power_of_2(D))
+        return dg, doc, dos, dow
+
+
+def combine(gates, o_cmp, o_slc, o_win=None, config=None):
+    """`reference.combine` in one pass (`CombineFn`)."""
+    return CombineFn.apply(gates, o_cmp, o_slc, o_win)
 
 
 # ----------------------------------------------------------------------------------------------
