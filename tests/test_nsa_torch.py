@@ -51,6 +51,7 @@ SELECTION_CASES = [
     ("blocks-gqa4-segments", 1, 65, 8, 2, 16, 16, 3, "blocks", True, True, torch.float32),
     ("blocks-32-in-tiles-fp16", 1, 83, 4, 1, 40, 32, 2, "blocks", False, True, torch.float16),
     ("blocks-noncausal", 1, 50, 2, 1, 16, 16, 2, "blocks", False, False, torch.float32),
+    ("blocks-group32", 1, 23, 32, 1, 16, 8, 2, "blocks", False, True, torch.float32),  # rows 32: one token a dK/dV step
     ("ranges-gqa2", 1, 53, 4, 2, 16, 16, 3, "ranges", False, True, torch.float32),
     ("ranges-segments-fp16", 2, 41, 2, 1, 24, 16, 4, "ranges", True, True, torch.float16),
 ]

@@ -56,11 +56,12 @@ class NSABlockSizes:
 
     block_n: key tile of the forward and dQ kernels (a block of block_size keys is walked in tiles of
       min(block_n, block_size)); block_n_dkv: the dK/dV kernel's aligned key tile (the plan's unit;
-      min(block_n_dkv, block_size) for block lists); tokens_dkv: query tokens per dK/dV step (rows =
-      tokens_dkv * padded group); chunk_dkv: the most plan pieces one dK/dV program takes (longer
-      lists are split; their partials are summed in order); query_chunk: query tokens per step of
-      the selection (bounds its fp32 importance [B, chunk, Hkv, Nsel] and the top-n's keys);
-      block_imp: the importance kernel's query tile (and its compression / selection tile)."""
+      min(block_n_dkv, block_size) for block lists); tokens_dkv: query tokens per dK/dV step for a
+      group of up to 16 (rows = tokens_dkv * 16; larger groups take proportionally fewer tokens);
+      chunk_dkv: the most plan pieces one dK/dV program takes (longer lists are split; their
+      partials are summed in order); query_chunk: query tokens per step of the block selection
+      (bounds its int64 top-n keys [B, chunk, Hkv, Nsel]); block_imp: the importance kernel's query
+      tile (and its compression / selection tile)."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -94,7 +95,8 @@ def default_nsa_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> 
         return NSABlockSizes(block_n=16, num_warps=4, num_stages=1, block_n_dkv=16, tokens_dkv=2, chunk_dkv=8,
                              num_warps_bwd=4, num_stages_bwd=1, query_chunk=24, block_imp=16)
     wide = dtype == torch.float32 or block_d(head_dim) > 128
-    return NSABlockSizes(block_n=64 if not wide else 32, num_warps=4, num_stages=2, block_n_dkv=64,
+    # wide (fp32 tiles, or a head dim past 128): half the key tiles, or k, v, dk, dv spill registers
+    return NSABlockSizes(block_n=64 if not wide else 32, num_warps=4, num_stages=2, block_n_dkv=64 if not wide else 32,
                          tokens_dkv=4 if not wide else 2, chunk_dkv=1024, num_warps_bwd=4, num_stages_bwd=2,
                          query_chunk=8192, block_imp=64)
 
@@ -416,7 +418,7 @@ def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, segment_ids, scale, conf
             _dkv_kernel[(n_chunks,)](
                 q, k, v, do, m2, inv_l, delta, seg, *pieces, *chunks, dkp, dvp, *q.stride(), *k.stride(),
                 *v.stride(), *do.stride(), *seg_strides, S, Hq, Hkv, nt, G, scale * LOG2E, scale,
-                BLOCK_N=block_n, TOKENS=config.tokens_dkv, **common)
+                BLOCK_N=block_n, TOKENS=max(1, config.tokens_dkv * MIN_ROWS // _rows(G)), **common)
         _dkv_sum_kernel[(B * Hkv * nt,)](
             dkp, dvp, tile_chunks, dk, dv, *dk.stride(), *dv.stride(), S, Hkv, nt, HEAD_DIM=D, BLOCK_N=block_n,
             BLOCK_D=block_d(D), num_warps=4)
