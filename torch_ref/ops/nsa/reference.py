@@ -233,6 +233,8 @@ def top_n(imp, num_selected: int, select_block: int):
     chosen = torch.gather(score, -1, order) > float("-inf")
     big = torch.iinfo(torch.int64).max
     out = torch.sort(torch.where(chosen, order, big), dim=-1).values
+    if out.shape[-1] < num_selected:  # fewer blocks than slots
+        out = torch.cat([out, out.new_full((*out.shape[:-1], num_selected - out.shape[-1]), big)], dim=-1)
     return torch.where(out == big, -1, out).to(torch.int32)
 
 
