@@ -105,6 +105,8 @@ def test_selection_canonical_form():
     blocks = torch_ref.ops.nsa.reference.canonical_blocks(idx, torch.full((1, S, 1), 3), bs, True, S)
     assert blocks[0, 39, 0].tolist() == [1, 3, -1, -1]  # slot 3 past the count, the repeat once
     assert blocks[0, 10, 0].tolist() == [1, -1, -1, -1]  # block 3 beyond token 10's frontier
+    every = torch_ref.ops.nsa.reference.canonical_blocks(idx, None, bs, True, S)
+    assert every[0, 39, 0].tolist() == [1, 3, 4, -1]  # ascending, the repeat's slot last
     neg = torch.tensor([-1, 0, 9, 0]).expand(1, S, 1, 4)  # -1, a repeat, past the sequence
     assert torch_ref.ops.nsa.reference.canonical_blocks(neg, None, bs, False, S)[0, 0, 0].tolist() == [0, -1, -1, -1]
     ranges = torch.tensor([[5, 9], [0, 3], [7, 12], [2, 2], [30, 50]]).expand(1, S, 1, 5, 2)

@@ -109,14 +109,50 @@ def _rows(group: int) -> int:
 # Selection kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
+def _key_tile(k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd, svs, svd,
+              HAS_SEGMENTS: tl.constexpr, V_TRANS: tl.constexpr):
+    """Keys [start, start + BLOCK_N) below hi (and in the query's segment): (kT [D, N], v [N, D] or
+    vT [D, N] if V_TRANS, the column mask)."""
+    cols = start + n
+    c_ok = cols < hi
+    if HAS_SEGMENTS:
+        c_ok = c_ok & (tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0) == qs)
+    kT = tl.load(k_base + cols[None, :] * sks + d[:, None] * skd, mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+    if V_TRANS:
+        v = tl.load(v_base + cols[None, :] * svs + d[:, None] * svd, mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_base + cols[:, None] * svs + d[None, :] * svd, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+    return kT, v, c_ok
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd, svs, svd,
+              score_mul, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+    kT, v, c_ok = _key_tile(k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd, svs, svd,
+                            HAS_SEGMENTS, False)
+    s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
+    s2 = tl.where(c_ok[None, :], s2, float("-inf"))
+    # online softmax update (base 2); rows with nothing visible yet shift by a safe 0
+    m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s2 - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, COUNTS, SEG,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
-                srb, srs, srh, srr, src, ssb, sss,
-                S, Hq, R, GROUP, score_mul,
+                srb, srs, srh, srr, src, scb, scs, sch, ssb, sss,
+                S, Hq, GROUP, score_mul,
                 HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
-    """grid (S, Hkv, B): query token t of kv head g. Writes O [B, S, Hq, D] at the group's heads and
-    LSE, M2, INV_L [B, Hq, S]."""
+                ONE_TILE: tl.constexpr, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (S, Hkv, B): query token t of kv head g over its COUNTS[b, t, g] non-empty ranges (they
+    come first). ONE_TILE: every range fits one key tile (blocks of at most BLOCK_N): one flat loop
+    the compiler can pipeline. Writes O [B, S, Hq, D] at the group's heads and LSE, M2, INV_L
+    [B, Hq, S]."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -137,28 +173,16 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     r_base = RANGES + b * srb + t * srs + g * srh
-    for r in range(R):
+    for r in range(tl.load(COUNTS + b * scb + t * scs + g * sch)):
         lo = tl.load(r_base + r * srr).to(tl.int32)
         hi = tl.load(r_base + r * srr + src).to(tl.int32)
-        for start in range(lo, hi, BLOCK_N):
-            cols = start + n
-            c_ok = cols < hi
-            if HAS_SEGMENTS:
-                c_ok = c_ok & (tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0) == qs)
-            kT = tl.load(k_base + cols[None, :] * sks + d[:, None] * skd, mask=c_ok[None, :] & d_ok[:, None],
-                         other=0.0)
-            v = tl.load(v_base + cols[:, None] * svs + d[None, :] * svd, mask=c_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
-            s2 = tl.where(c_ok[None, :], s2, float("-inf"))
-            # online softmax update (base 2); rows with nothing visible yet shift by a safe 0
-            m_new = tl.maximum(m_i, tl.max(s2, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s2 - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-            m_i = m_new
+        if ONE_TILE:
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, SEG, b, ssb, sss, qs, lo, hi, n, d, d_ok,
+                                      sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d,
+                                          d_ok, sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
     seen = l_i > 0
     inv_l = tl.where(seen, tl.div_rn(1.0, tl.where(seen, l_i, 1.0)), 0.0)
     out = acc * inv_l[:, None]
@@ -171,12 +195,25 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, SEG,
+def _dq_tile(dq, q, do, m2, inv_l, delta, k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd,
+             svs, svd, score_mul, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+    kT, vT, c_ok = _key_tile(k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd, svs, svd,
+                             HAS_SEGMENTS, True)
+    s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
+    p = tl.where(c_ok[None, :], tl.exp2(s2 - m2[:, None]) * inv_l[:, None], 0.0)
+    dp = tl.dot(do, vT, input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, COUNTS, SEG,
                sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod, sdb, sds, sdh, sdd,
-               sgb, sgs, sgh, sgd, srb, srs, srh, srr, src, ssb, sss,
-               S, Hq, R, GROUP, score_mul, scale,
+               sgb, sgs, sgh, sgd, srb, srs, srh, srr, src, scb, scs, sch, ssb, sss,
+               S, Hq, GROUP, score_mul, scale,
                HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               HAS_SEGMENTS: tl.constexpr, HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr):
+               ONE_TILE: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_DLSE: tl.constexpr,
+               PRECISION: tl.constexpr):
     """grid (S, Hkv, B): dQ of query token t at the group's heads, over the forward's tiles.
     delta = rowsum(dO * O) - dlse (stored to DELTA [B, Hq, S] for the dK/dV kernel), dS = P (dP -
     delta), dq = scale dS k."""
@@ -207,23 +244,16 @@ def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, SEG,
         qs = tl.load(SEG + b * ssb + t * sss)
     dq = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     r_base = RANGES + b * srb + t * srs + g * srh
-    for r in range(R):
+    for r in range(tl.load(COUNTS + b * scb + t * scs + g * sch)):
         lo = tl.load(r_base + r * srr).to(tl.int32)
         hi = tl.load(r_base + r * srr + src).to(tl.int32)
-        for start in range(lo, hi, BLOCK_N):
-            cols = start + n
-            c_ok = cols < hi
-            if HAS_SEGMENTS:
-                c_ok = c_ok & (tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0) == qs)
-            kT = tl.load(k_base + cols[None, :] * sks + d[:, None] * skd, mask=c_ok[None, :] & d_ok[:, None],
-                         other=0.0)
-            vT = tl.load(v_base + cols[None, :] * svs + d[:, None] * svd, mask=c_ok[None, :] & d_ok[:, None],
-                         other=0.0)
-            s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
-            p = tl.where(c_ok[None, :], tl.exp2(s2 - m2[:, None]) * inv_l[:, None], 0.0)
-            dp = tl.dot(do, vT, input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
+        if ONE_TILE:
+            dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_base, v_base, SEG, b, ssb, sss, qs, lo, hi, n, d, d_ok,
+                          sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d,
+                              d_ok, sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
     tl.store(DQ + b * sgb + t * sgs + hq[:, None] * sgh + d[None, :] * sgd, (dq * scale).to(DQ.dtype.element_ty),
              mask=rd_ok)
 
@@ -255,6 +285,8 @@ def _dkv_kernel(Q, K, V, DO, M2, INV_L, DELTA, SEG, TOK, LO, HI, CHUNK_TILE, CHU
     ks = 0
     if HAS_SEGMENTS:
         ks = tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0)
+    kT = tl.trans(k)
+    vT = tl.trans(v)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     i = tl.arange(0, TOKENS * BLOCK_G)
@@ -279,10 +311,10 @@ def _dkv_kernel(Q, K, V, DO, M2, INV_L, DELTA, SEG, TOK, LO, HI, CHUNK_TILE, CHU
         if HAS_SEGMENTS:
             qs = tl.load(SEG + b * ssb + tok * sss, mask=p_ok, other=0)
             vis = vis & (qs[:, None] == ks[None, :])
-        s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_mul
+        s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
         p = tl.where(vis, tl.exp2(s2 - m2[:, None]) * inv_l[:, None], 0.0)
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
     out = c * BLOCK_N * BLOCK_D + tl.arange(0, BLOCK_N)[:, None] * BLOCK_D + d[None, :]
@@ -373,24 +405,25 @@ def _tile(config: NSABlockSizes, field: str, block_size):
     return size if block_size is None else max(16, min(size, block_size))
 
 
-def _forward(q, k, v, spans, segment_ids, scale, config, block_size):
+def _forward(q, k, v, spans, counts, segment_ids, scale, config, block_size):
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
     out = torch.empty_like(q)
     lse, m2, inv_l = (torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) for _ in range(3))
     seg, seg_strides = _seg_args(segment_ids, q)
+    tile = _tile(config, "block_n", block_size)
     with device_ctx(q):
         _fwd_kernel[(S, Hkv, B)](
-            q, k, v, out, lse, m2, inv_l, spans, seg, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            *spans.stride(), *seg_strides, S, Hq, spans.shape[3], G, scale * LOG2E,
-            HEAD_DIM=D, BLOCK_G=_rows(G), BLOCK_N=_tile(config, "block_n", block_size), BLOCK_D=block_d(D),
-            HAS_SEGMENTS=segment_ids is not None, PRECISION=precision(q.dtype), num_warps=config.num_warps,
-            num_stages=config.num_stages)
+            q, k, v, out, lse, m2, inv_l, spans, counts, seg, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *spans.stride(), *counts.stride(), *seg_strides, S, Hq, G, scale * LOG2E,
+            HEAD_DIM=D, BLOCK_G=_rows(G), BLOCK_N=tile, BLOCK_D=block_d(D),
+            ONE_TILE=block_size is not None and block_size <= tile, HAS_SEGMENTS=segment_ids is not None,
+            PRECISION=precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse, m2, inv_l
 
 
-def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, segment_ids, scale, config, block_size):
+def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, counts, segment_ids, scale, config, block_size):
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -409,11 +442,12 @@ def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, segment_ids, scale, conf
     dkp = torch.empty((max(n_chunks, 1), block_n, block_d(D)), dtype=torch.float32, device=q.device)
     dvp = torch.empty_like(dkp)
     with device_ctx(q):
+        tile = _tile(config, "block_n", block_size)
         _dq_kernel[(S, Hkv, B)](
-            q, k, v, out, do, delta if dlse is None else dlse, dq, m2, inv_l, delta, spans, seg, *q.stride(),
-            *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(), *spans.stride(), *seg_strides, S,
-            Hq, spans.shape[3], G, scale * LOG2E, scale, BLOCK_N=_tile(config, "block_n", block_size),
-            HAS_DLSE=dlse is not None, **common)
+            q, k, v, out, do, delta if dlse is None else dlse, dq, m2, inv_l, delta, spans, counts, seg,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(), *spans.stride(),
+            *counts.stride(), *seg_strides, S, Hq, G, scale * LOG2E, scale, BLOCK_N=tile,
+            ONE_TILE=block_size is not None and block_size <= tile, HAS_DLSE=dlse is not None, **common)
         if n_chunks:
             _dkv_kernel[(n_chunks,)](
                 q, k, v, do, m2, inv_l, delta, seg, *pieces, *chunks, dkp, dvp, *q.stride(), *k.stride(),
@@ -430,31 +464,33 @@ class SelectionFn(torch.autograd.Function):
     both differentiable (a cotangent on lse enters as delta -= dlse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spans, segment_ids, scale, config, block_size):
-        out, lse, m2, inv_l = _forward(q, k, v, spans, segment_ids, scale, config, block_size)
-        ctx.save_for_backward(q, k, v, out, m2, inv_l, spans, segment_ids)
+    def forward(ctx, q, k, v, spans, counts, segment_ids, scale, config, block_size):
+        out, lse, m2, inv_l = _forward(q, k, v, spans, counts, segment_ids, scale, config, block_size)
+        ctx.save_for_backward(q, k, v, out, m2, inv_l, spans, counts, segment_ids)
         ctx.opts = (scale, config, block_size)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, m2, inv_l, spans, segment_ids = ctx.saved_tensors
+        q, k, v, out, m2, inv_l, spans, counts, segment_ids = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, m2, inv_l, dlse, spans, segment_ids, *ctx.opts)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, m2, inv_l, dlse, spans, counts, segment_ids,
+                               *ctx.opts)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def selection(q, k, v, ranges, *, scale: float, segment_ids=None, block_size=None, config: NSABlockSizes = None):
     """(out [B, S, Hq, D], lse [B, Hq, S] fp32) of selection attention over canonical ranges
-    [B, S, Hkv, R, 2] (see `reference.selection`)."""
+    [B, S, Hkv, R, 2] (see `reference.selection`: disjoint, the non-empty ones first)."""
     config = config or default_nsa_block_sizes(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
     B, S, Hq, _ = q.shape
     if q.numel() == 0 or k.shape[2] == 0:
         return q * 0, torch.full((B, Hq, S), float("-inf"), dtype=torch.float32, device=q.device)
     spans = ranges.to(torch.int32).contiguous()
+    counts = (spans[..., 0] < spans[..., 1]).sum(-1, dtype=torch.int32)  # the non-empty ranges lead
     ids = None if segment_ids is None else segment_ids.to(torch.int32).contiguous()
-    return SelectionFn.apply(q, k, v, spans, ids, scale, config, block_size)
+    return SelectionFn.apply(q, k, v, spans, counts, ids, scale, config, block_size)
 
 
 # ----------------------------------------------------------------------------------------------
