@@ -21,6 +21,12 @@ import torch.nn.functional as F
 from attn_spec import nsa as spec
 
 
+def zeros_like_connected(x):
+    """Zeros shaped like x that autograd still connects to x (zero gradient), whatever x holds."""
+    return torch.where(torch.zeros((), dtype=torch.bool, device=x.device), x, torch.zeros((), dtype=x.dtype,
+                                                                                          device=x.device))
+
+
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -36,6 +42,8 @@ def masked_attention(q, k, v, vis, scale: float):
     Hkv = k.shape[2]
     G = Hq // Hkv
     stat = _stat_dtype(q.dtype)
+    if k.shape[1] == 0:  # no keys (no complete compression block yet): nothing is visible
+        return zeros_like_connected(q), torch.full((B, Hq, Sq), float("-inf"), dtype=stat, device=q.device)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     # zero what no row sees (garbage must not reach other rows through 0 * x)
     key_seen = vis.any(2).transpose(1, 2)[..., None]  # [B, Sk, Hkv, 1]

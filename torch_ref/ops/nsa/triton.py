@@ -38,6 +38,7 @@ from attn_spec import nsa as spec
 
 from ..common.triton_tiles import INTERPRETED, block_d, device_ctx, precision
 from . import reference
+from .reference import zeros_like_connected
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -486,7 +487,7 @@ def selection(q, k, v, ranges, *, scale: float, segment_ids=None, block_size=Non
     config = config or default_nsa_block_sizes(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
     B, S, Hq, _ = q.shape
     if q.numel() == 0 or k.shape[2] == 0:
-        return q * 0, torch.full((B, Hq, S), float("-inf"), dtype=torch.float32, device=q.device)
+        return zeros_like_connected(q), torch.full((B, Hq, S), float("-inf"), device=q.device)
     spans = ranges.to(torch.int32).contiguous()
     counts = (spans[..., 0] < spans[..., 1]).sum(-1, dtype=torch.int32)  # the non-empty ranges lead
     ids = None if segment_ids is None else segment_ids.to(torch.int32).contiguous()
@@ -515,7 +516,7 @@ def compression(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, segme
     Nc = k_cmp.shape[1]
     head = block - 1
     if Nc == 0:
-        return q * 0, torch.full((B, Hq, S), float("-inf"), dtype=torch.float32, device=q.device)
+        return zeros_like_connected(q), torch.full((B, Hq, S), float("-inf"), device=q.device)
     rows = Nc * stride  # folded queries: t in [head, head + rows) (the tail past S is padding)
     qf = torch.nn.functional.pad(q[:, head:], (0, 0, 0, 0, 0, rows - (S - head)))
     qf = qf.reshape(B, Nc, stride, Hq, D).transpose(1, 2).reshape(B * stride, Nc, Hq, D)
