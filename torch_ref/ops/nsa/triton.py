@@ -61,8 +61,8 @@ class NSABlockSizes:
       group of up to 16 (rows = tokens_dkv * 16; larger groups take proportionally fewer tokens);
       chunk_dkv: the most plan pieces one dK/dV program takes (longer lists are split; their
       partials are summed in order); query_chunk: query tokens per step of the block selection
-      (bounds its int64 top-n keys [B, chunk, Hkv, Nsel]); block_imp: the importance kernel's query
-      tile (and its compression / selection tile)."""
+      (bounds its int64 top-n keys [B, chunk, Hkv, Nsel]); block_imp, num_warps_imp: the importance
+      kernel's query tile (and its compression / selection tile) and warps."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -74,6 +74,7 @@ class NSABlockSizes:
     num_stages_bwd: int = 2
     query_chunk: int = 8192
     block_imp: int = 64
+    num_warps_imp: int = 8
 
     def __post_init__(self):
         for name in ("block_n", "block_n_dkv", "tokens_dkv", "block_imp"):
@@ -82,24 +83,27 @@ class NSABlockSizes:
                 raise ValueError(f"NSABlockSizes.{name} must be a power of two, got {value!r}")
         if min(self.block_n, self.block_n_dkv, self.block_imp) < 16:
             raise ValueError(f"NSABlockSizes.block_n, block_n_dkv and block_imp must be >= 16 (tl.dot), got {self}")
-        for name in ("num_warps", "num_stages", "chunk_dkv", "num_warps_bwd", "num_stages_bwd", "query_chunk"):
+        for name in ("num_warps", "num_stages", "chunk_dkv", "num_warps_bwd", "num_stages_bwd", "query_chunk",
+                     "num_warps_imp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"NSABlockSizes.{name} must be an int >= 1, got {value!r}")
 
 
 def default_nsa_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> NSABlockSizes:
-    """GPU: key tiles of 64 (the paper's and fla's selection block), 4 tokens a dK/dV step (64 rows
-    for a group of 16). The interpreter: small tiles and chunks, so CPU tests cross tile and chunk
-    edges."""
+    """GPU: key tiles of 64 (the paper's and fla's selection block). The backward and the importance
+    run 8 warps and the dK/dV kernel 2 tokens a step (32 rows for a group of 16): the smallest
+    configurations that compile without register spills for sm_90 at head dim 128 (16-bit). Wide
+    tiles (fp32, or a head dim past 128) halve the key and query tiles. The interpreter: small tiles
+    and chunks, so CPU tests cross tile and chunk edges."""
     if not on_gpu:
         return NSABlockSizes(block_n=16, num_warps=4, num_stages=1, block_n_dkv=16, tokens_dkv=2, chunk_dkv=8,
-                             num_warps_bwd=4, num_stages_bwd=1, query_chunk=24, block_imp=16)
-    wide = dtype == torch.float32 or block_d(head_dim) > 128
-    # wide (fp32 tiles, or a head dim past 128): half the key tiles, or k, v, dk, dv spill registers
-    return NSABlockSizes(block_n=64 if not wide else 32, num_warps=4, num_stages=2, block_n_dkv=64 if not wide else 32,
-                         tokens_dkv=4 if not wide else 2, chunk_dkv=1024, num_warps_bwd=4, num_stages_bwd=2,
-                         query_chunk=8192, block_imp=64)
+                             num_warps_bwd=4, num_stages_bwd=1, query_chunk=24, block_imp=16, num_warps_imp=4)
+    if dtype != torch.float32 and block_d(head_dim) <= 128:
+        return NSABlockSizes(block_n=64, num_warps=4, num_stages=2, block_n_dkv=64, tokens_dkv=2, chunk_dkv=1024,
+                             num_warps_bwd=8, num_stages_bwd=2, query_chunk=8192, block_imp=64, num_warps_imp=8)
+    return NSABlockSizes(block_n=32, num_warps=8, num_stages=2, block_n_dkv=32, tokens_dkv=1, chunk_dkv=1024,
+                         num_warps_bwd=8, num_stages_bwd=2, query_chunk=8192, block_imp=32, num_warps_imp=8)
 
 
 def _rows(group: int) -> int:
@@ -118,12 +122,12 @@ def _key_tile(k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, 
     c_ok = cols < hi
     if HAS_SEGMENTS:
         c_ok = c_ok & (tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0) == qs)
-    kT = tl.load(k_base + cols[None, :] * sks + d[:, None] * skd, mask=c_ok[None, :] & d_ok[:, None], other=0.0)
+    mask = c_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + cols[:, None] * sks + d[None, :] * skd, mask=mask, other=0.0)
+    v = tl.load(v_base + cols[:, None] * svs + d[None, :] * svd, mask=mask, other=0.0)
     if V_TRANS:
-        v = tl.load(v_base + cols[None, :] * svs + d[:, None] * svd, mask=c_ok[None, :] & d_ok[:, None], other=0.0)
-    else:
-        v = tl.load(v_base + cols[:, None] * svs + d[None, :] * svd, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-    return kT, v, c_ok
+        v = tl.trans(v)
+    return tl.trans(k), v, c_ok
 
 
 @triton.jit
@@ -456,7 +460,7 @@ def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, counts, segment_ids, sca
                 BLOCK_N=block_n, TOKENS=max(1, config.tokens_dkv * MIN_ROWS // _rows(G)), **common)
         _dkv_sum_kernel[(B * Hkv * nt,)](
             dkp, dvp, tile_chunks, dk, dv, *dk.stride(), *dv.stride(), S, Hkv, nt, HEAD_DIM=D, BLOCK_N=block_n,
-            BLOCK_D=block_d(D), num_warps=4)
+            BLOCK_D=block_d(D), num_warps=8)
     return dq, dk, dv
 
 
@@ -683,8 +687,8 @@ def _importance_kernel(Q, KC, LSE, SEG, BLK_SEG, KEYS, t0, C, S, Nc, Nsel, NJ, G
         if HAS_SEGMENTS:
             blk = tl.load(BLK_SEG + b * sbb + i * sbn, mask=i_ok, other=0)
             vis = vis & (blk[None, :] == qs[:, None])
-        kcT = tl.load(KC + b * skb + g * skh + i[None, :] * sks + d[:, None] * skd, mask=i_ok[None, :] & d_ok[:, None],
-                      other=0.0)
+        kcT = tl.trans(tl.load(KC + b * skb + g * skh + i[:, None] * sks + d[None, :] * skd,
+                               mask=i_ok[:, None] & d_ok[None, :], other=0.0))
         psum = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
         for h in range(GROUP):
             hq = g * GROUP + h
@@ -740,6 +744,6 @@ def select_blocks(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: i
                 SELECT=select_block, HEAD_DIM=D, BLOCK_M=config.block_imp,
                 BLOCK_I=block_j if identity else config.block_imp, BLOCK_J=block_j, BLOCK_D=block_d(D),
                 IDENTITY=identity, HAS_SEGMENTS=segment_ids is not None, PRECISION=precision(q.dtype),
-                num_warps=config.num_warps, num_stages=config.num_stages)
+                num_warps=config.num_warps_imp, num_stages=config.num_stages)
             out[:, t0:t0 + C] = _top_n(keys, num_selected)
     return out
