@@ -142,8 +142,8 @@ def main():
         for change in (dict(num_warps=2), dict(num_warps=8), dict(num_stages=1), dict(num_stages=3),
                        dict(num_warps_bwd=4), dict(tokens_dkv=4), dict(tokens_dkv=1), dict(chunk_dkv=4096)):
             cfg = dataclasses.replace(base, **change)
-            record(f"selection {change}", lambda cfg=cfg: torch_ref.selection_attention(q, k, v, idx, block_size=bs,
-                                                                                        config=cfg), (q, k, v), sel_flop)
+            run = lambda cfg=cfg: torch_ref.selection_attention(q, k, v, idx, block_size=bs, config=cfg)  # noqa: E731
+            record(f"selection {change}", run, (q, k, v), sel_flop)
     fla_fn, reason = _fla_selection(q, k, v, idx, n, bs)
     if fla_fn is None:
         rows.append(dict(name="fla_selection", absent=reason))
