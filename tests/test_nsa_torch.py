@@ -97,6 +97,17 @@ def test_selection_matches_golden(name, B, S, Hq, Hkv, D, block_size, n, form, s
     assert torch.isneginf(gold[1]).any()  # rows that see nothing are part of every case
 
 
+def test_selection_config():
+    """Another tiling (tiles of 32 over blocks of 16 and ranges, one token a dK/dV step, chunks of 3
+    pieces) still meets the rule."""
+    tensors, kw = _selection_inputs(1, 45, 4, 2, 16, 16, 3, "ranges", False, seed=9)
+    gold = _selection_run("eager", torch.float64, *tensors, **kw)
+    naive = _selection_run("eager", torch.float32, *tensors, **kw)
+    cfg = torch_ref.NSABlockSizes(block_n=32, block_n_dkv=32, tokens_dkv=1, chunk_dkv=3, num_stages=1)
+    fast = _selection_run("triton", torch.float32, *tensors, config=cfg, **kw)
+    _check(("out", "lse", "dq", "dk", "dv"), fast, naive, gold, torch.float32)
+
+
 def test_selection_canonical_form():
     """The ignored entries, by hand: -1, beyond the frontier, past block_counts and repeats count
     nothing; a key counts once; ranges are their union."""
@@ -414,6 +425,8 @@ def test_argument_errors():
         sel(q, q[:, :, :3], q[:, :, :3], idx)
     with pytest.raises(NotImplementedError, match=r"implementation='triton' cannot serve this call: .*not float64"):
         sel(q.double(), kv.double(), kv.double(), idx, implementation="triton")
+    with pytest.raises(torch_ref.UnknownImplementationError, match=r"unknown implementation='xla'"):
+        sel(q, kv, kv, idx, implementation="xla")
     with pytest.raises(TypeError, match=r"takes no tile config"):
         sel(q, kv, kv, idx, implementation="eager", config=torch_ref.NSABlockSizes())
     with pytest.raises(ValueError, match=r"NSABlockSizes.block_n must be a power of two"):
