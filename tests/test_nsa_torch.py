@@ -108,6 +108,18 @@ def test_selection_config():
     _check(("out", "lse", "dq", "dk", "dv"), fast, naive, gold, torch.float32)
 
 
+def test_segment_ids_past_int32():
+    """int64 segment ids that agree modulo 2^32 stay different segments (no narrowing)."""
+    tensors, kw = _selection_inputs(1, 40, 2, 1, 16, 16, 3, "blocks", False, seed=10)
+    ids = torch.zeros(1, 40, dtype=torch.int64)
+    ids[:, 20:] = 1 << 32
+    kw["segment_ids"] = ids
+    gold = _selection_run("eager", torch.float64, *tensors, **kw)
+    naive = _selection_run("eager", torch.float32, *tensors, **kw)
+    _check(("out", "lse", "dq", "dk", "dv"), _selection_run("triton", torch.float32, *tensors, **kw), naive, gold,
+           torch.float32)
+
+
 def test_selection_canonical_form():
     """The ignored entries, by hand: -1, beyond the frontier, past block_counts and repeats count
     nothing; a key counts once; ranges are their union."""

@@ -11,13 +11,15 @@ ranges (`reference.canonical_ranges` / `blocks_to_ranges`: block lists become on
 causality is folded in as end <= t + 1). One program per (query token, kv head, batch row): the
 GQA group's query heads are the tile's rows (padded to a power of two >= 16, the tl.dot minimum,
 for any ratio, 1 included), and the program walks its ranges in key tiles of BLOCK_N with an online
-softmax in fp32 (base 2; the element mask is `key < end` and the segment ids). The dQ kernel walks
-the same tiles. The dK/dV kernel runs over a transpose plan (`_dkv_plan`): for every (batch row,
-kv head, aligned key tile) the pieces (query token, [lo, hi)) of the ranges that touch it, sorted by
-token (a sort of (tile, token, range) keys with torch ops); the rows of one step are TOKENS_DKV
-tokens times the padded group. Long lists (block 0 is every token's) are cut into chunks of
-CHUNK_DKV pieces, one program each, whose fp32 partial dk / dv a second kernel sums in chunk order:
-deterministic, no atomics.
+softmax in fp32 (base 2; the element mask is `key < end` and the segment ids). The non-empty ranges
+come first and a per-row count bounds the loop; blocks that fit one tile (ONE_TILE) make it one flat
+loop. The dQ kernel walks the same tiles. The dK/dV kernel runs over a transpose plan
+(`_dkv_plan`): for every (batch row, kv head, aligned key tile) the pieces (query token, [lo, hi))
+of the ranges that touch it, sorted by token (a sort of (tile, token, range) keys with torch ops);
+the rows of one step are `tokens_dkv` tokens times the padded group. Long lists (block 0 is every
+token's) are cut into chunks of `chunk_dkv` pieces, one program each, whose fp32 partial dk / dv a
+second kernel sums in chunk order: deterministic, no atomics. Offsets along the sequence are int32
+within a batch row and head (S * H * D < 2^31), as in the softmax kernels.
 
 Row statistics as the softmax kernels (`torch_ref.ops.softmax.triton`): m2 (base-2 row max) and
 inv_l = 1 / l, [B, Hq, S] fp32; the backward recomputes P = 2^(s2 - m2) inv_l; rows that see no key
@@ -494,7 +496,7 @@ def selection(q, k, v, ranges, *, scale: float, segment_ids=None, block_size=Non
         return zeros_like_connected(q), torch.full((B, Hq, S), float("-inf"), device=q.device)
     spans = ranges.to(torch.int32).contiguous()
     counts = (spans[..., 0] < spans[..., 1]).sum(-1, dtype=torch.int32)  # the non-empty ranges lead
-    ids = None if segment_ids is None else segment_ids.to(torch.int32).contiguous()
+    ids = None if segment_ids is None else segment_ids.contiguous()  # its own integer dtype: no wrap-around
     return SelectionFn.apply(q, k, v, spans, counts, ids, scale, config, block_size)
 
 
