@@ -64,14 +64,13 @@ def _kernel(pos_ref, q_ref, kc_ref, lse_ref, *refs, block, stride, scale, precis
             mask &= kc_seg_ref[pl.ds(start, width)][None, :] == q_seg[:, None]
         p = jnp.where(mask, jnp.exp2(s * (scale * LOG2E) - lse2[:, None]), 0.0)
         out_ref[:, pl.ds(start, width)] = p.reshape(tokens, group, width).sum(axis=1)
-        return 0
 
     def clear(j, _):  # beyond the tile's frontier: nothing seen
         out_ref[:, pl.ds(pl.multiple_of(j * width, width), width)] = jnp.zeros((tokens, width), jnp.float32)
-        return 0
 
-    jax.lax.fori_loop(0, visited, visit, 0)
-    jax.lax.fori_loop(visited, total, clear, 0)
+    # no carry (None): a literal carry is no MLIR value in the Triton lowering's loop yield
+    jax.lax.fori_loop(0, visited, visit, None)
+    jax.lax.fori_loop(visited, total, clear, None)
 
 
 def group_probabilities(q, k_cmp, lse, positions, *, block: int, stride: int, scale: float, precision,
