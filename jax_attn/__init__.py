@@ -4,8 +4,10 @@ Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD). Implementations
 "mosaic", "xla") and the rule for implementation=None live in `jax_attn.registry`; tile configs
 (`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`) are passed as `config=`.
 """
-from jax_attn.api import (dilated_attention, flash_attention, flash_attention_varlen, stick_breaking_attention,
-                          stick_breaking_attention_varlen)
+from jax_attn.api import (compress_kv, compression_attention, dilated_attention, flash_attention,
+                          flash_attention_varlen, nsa_attention, select_blocks, selection_attention,
+                          stick_breaking_attention, stick_breaking_attention_varlen)
+from jax_attn.ops.nsa.triton import NSABlockSizes
 from jax_attn.device import DeviceInfo, device_info, recommended_dtype
 from jax_attn.nn.layers import EncoderBlock, MultiHeadSelfAttention, attention_fn, make_attention_fn
 from jax_attn.nn.layers import DilatedAttention, MultiheadDilatedAttention
@@ -29,4 +31,5 @@ __all__ = [
     "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "stick_breaking_attention",
     "stick_breaking_attention_varlen",
     "stick_breaking_reference", "UnknownImplementationError", "orderings",
+    "compress_kv", "compression_attention", "nsa_attention", "NSABlockSizes", "select_blocks", "selection_attention",
 ]

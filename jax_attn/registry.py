@@ -25,6 +25,8 @@ from jax_attn.device import pallas_triton_unsupported_reason
 from jax_attn.ops.common.spec import AttentionSpec, padded_head_dim
 from jax_attn.ops.dilated import reference as dilated_reference
 from jax_attn.ops.dilated import triton as dilated_triton
+from jax_attn.ops.nsa import reference as nsa_reference
+from jax_attn.ops.nsa import triton as nsa_triton
 from jax_attn.ops.softmax import mosaic as softmax_mosaic
 from jax_attn.ops.softmax import reference as softmax_reference
 from jax_attn.ops.softmax import triton as softmax_triton
@@ -147,6 +149,17 @@ def _dilated_xla(q, k, v, spec, *, segment_lengths, dilation_rates, merge, confi
                                                scale=spec.scale)
 
 
+def _nsa_triton(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=None, block_size, spec, config=None):
+    return nsa_triton.selection_pallas(q, k, v, blocks=blocks, counts=counts, ranges=ranges, q_ids=q_ids,
+                                       block_size=block_size, causal=spec.causal, scale=spec.scale,
+                                       precision=spec.precision, config=config)
+
+
+def _nsa_xla(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=None, block_size, spec, config=None):
+    return nsa_reference.selection_reference(q, k, v, blocks, ranges, block_size=block_size, causal=spec.causal,
+                                             scale=spec.scale, precision=spec.precision, q_ids=q_ids, kv_ids=q_ids)
+
+
 def _softmax_triton_default(call: Call):
     return softmax_triton.default_block_sizes(call.head_pad, call.interpret, call.dtype,
                                               rope=call.spec.rope is not None, rope_positions=call.positions)
@@ -175,6 +188,10 @@ _ENTRIES = (
     # the branches without segment ids on the Hopper kernels, the others on the Triton kernels
     Entry("dilated", "mosaic", _dilated_mosaic, _softmax_mosaic_reason),
     Entry("dilated", "xla", _dilated_xla, lambda call: None),
+    # NSA: the selection kernels (and, for its other branches, the flash engine and chunked XLA)
+    Entry("nsa", "triton", _nsa_triton, _triton_reason, lambda: nsa_triton.NSABlockSizes,
+          lambda call: nsa_triton.default_block_sizes(call.head_pad, call.interpret, call.dtype)),
+    Entry("nsa", "xla", _nsa_xla, lambda call: None),
 )
 def _choose(variant: str, call: Call) -> str:
     """The rule for implementation=None.
@@ -185,7 +202,8 @@ def _choose(variant: str, call: Call) -> str:
     Stick-breaking: "xla" where Pallas Triton cannot run, else "triton", on Hopper too: the Mosaic
     forward walks every tile, while the Triton forward ends a row block's walk where its sticks are
     spent (see `jax_attn.stick_breaking_attention`). Dilated: as softmax ("mosaic" where the Hopper
-    kernels serve the call: 16-bit, head dims 33 to 128).
+    kernels serve the call: 16-bit, head dims 33 to 128). NSA: as stick-breaking ("xla" where Pallas
+    Triton cannot run, else "triton": its selection kernels have no Mosaic twin).
     """
     if pallas_triton_unsupported_reason() is not None:
         return "xla"

@@ -17,8 +17,9 @@ positions).
 Triton is imported lazily: `import torch_ref` does not import it, so TRITON_INTERPRET=1 may still
 be set afterwards; the first Triton call (or touching one of the config names above) imports it.
 """
-from .api import (dilated_attention, flash_attention, flash_attention_reference, flash_attention_varlen,
-                  stick_breaking_attention, stick_breaking_attention_varlen, stick_breaking_reference)
+from .api import (compress_kv, compression_attention, dilated_attention, flash_attention, flash_attention_reference,
+                  flash_attention_varlen, nsa_attention, select_blocks, selection_attention, stick_breaking_attention,
+                  stick_breaking_attention_varlen, stick_breaking_reference)
 from .nn.layers import EncoderBlock, MultiHeadSelfAttention
 from .nn.layers import DilatedAttention, MultiheadDilatedAttention
 from .nn.positions import sinusoidal_positions
@@ -31,7 +32,9 @@ __all__ = ["flash_attention", "flash_attention_reference", "flash_attention_varl
            "IMPLEMENTATIONS", "resolve_implementation", "UnknownImplementationError", "EncoderBlock",
            "MultiHeadSelfAttention", "sinusoidal_positions", "stick_breaking_attention", "stick_breaking_reference",
            "stick_breaking_attention_varlen", "DilatedAttention", "MultiheadDilatedAttention",
-           "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "dilated_attention", "orderings"]
+           "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "dilated_attention", "orderings",
+           "selection_attention", "compress_kv", "compression_attention", "select_blocks", "nsa_attention",
+           "NSABlockSizes", "default_nsa_block_sizes"]
 
 
 def __getattr__(name):
@@ -41,4 +44,7 @@ def __getattr__(name):
     if name in ("StickBreakingBlockSizes", "default_stick_breaking_block_sizes"):
         from .ops.stick_breaking import triton as stick_breaking_triton
         return getattr(stick_breaking_triton, name)
+    if name in ("NSABlockSizes", "default_nsa_block_sizes"):
+        from .ops.nsa import triton as nsa_triton
+        return getattr(nsa_triton, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,6 +6,8 @@
   stick-breaking ("ExpoSB"): `stick_breaking_attention`, `stick_breaking_reference`
                              (torch_ref.ops.stick_breaking: reference.py, triton.py)
   dilated (LongNet):         `dilated_attention` (torch_ref.ops.dilated: reference.py, triton.py)
+  NSA (native sparse):       `nsa_attention`, `selection_attention`, `compress_kv`,
+                             `compression_attention`, `select_blocks` (torch_ref.ops.nsa)
 
 Triton is imported lazily (only when the Triton path runs), so the choice of interpreter
 (`TRITON_INTERPRET=1`) can still be made after `import torch_ref`.
@@ -22,10 +24,17 @@ from . import registry
 from .ops.common.validation import (validate, validate_alibi, validate_dilated, validate_dropout, validate_offsets,
                                     validate_rope, validate_stick_breaking)
 from .ops.softmax import reference as softmax_ref
+from .ops.nsa import reference as nsa_ref
+from .ops.nsa.validation import validate_compress as validate_nsa_compress
+from .ops.nsa.validation import validate_compression as validate_nsa_compression
+from .ops.nsa.validation import validate_nsa
+from .ops.nsa.validation import validate_select as validate_nsa_select
+from .ops.nsa.validation import validate_selection as validate_nsa_selection
 from .ops.stick_breaking import reference as stick_breaking_ref
 
 __all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_attention", "stick_breaking_reference",
-           "dilated_attention", "flash_attention_varlen", "stick_breaking_attention_varlen"]
+           "dilated_attention", "flash_attention_varlen", "stick_breaking_attention_varlen", "selection_attention",
+           "compress_kv", "compression_attention", "select_blocks", "nsa_attention"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,3 +334,133 @@ def stick_breaking_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *,
             q, k, v, scale=scale, decay=decay, attend_current=attend_current, segment_ids=ids, rope=rope,
             positions=positions, return_remainder=True, implementation=implementation, config=config))
     return (out, rem) if return_remainder else out
+
+
+# ----------------------------------------------------------------------------------------------
+# Native Sparse Attention (attn_spec.nsa)
+# ----------------------------------------------------------------------------------------------
+def selection_attention(q, k, v, block_indices=None, block_counts=None, *, ranges=None, block_size=64, causal=True,
+                        scale=None, segment_ids=None, return_lse=False, implementation=None, config=None):
+    """NSA's selection attention: query t attends to the keys of its selected blocks (or ranges).
+
+    Args:
+      q: `[B, S, Hq, D]`; k, v: `[B, S, Hkv, D]` (self-attention), Hq % Hkv == 0, any ratio (the
+        query heads of a kv head share its selection). dtype float16, bfloat16 or float32
+        (float64: eager only).
+      block_indices: integer `[B, S, Hkv, n]`: key blocks `[j * block_size, (j + 1) * block_size)`
+        of query t, kv head g. Entries that are negative, past the sequence, beyond the causal
+        frontier (j > t // block_size when causal), at slots >= `block_counts`, or repeated are
+        ignored: a key counts once.
+      block_counts: integer `[B, S, Hkv]` or None: only the first block_counts slots count.
+      ranges: integer `[B, S, Hkv, R, 2]`, instead of block_indices: R `[start, end)` key ranges
+        per row, their union (start > end is an error; empty ranges are ignored).
+      block_size: a power of two (block_indices only).
+      causal: keys at positions <= t only.
+      scale: default D ** -0.5.
+      segment_ids: integer `[B, S]`: keys only within the query's id (packed sequences).
+      return_lse: also return lse `[B, Hq, S]` float32 (-inf where nothing is visible; out 0 there).
+      implementation: None, "triton" or "eager" (the rule of `flash_attention`).
+      config: for "triton", a `torch_ref.NSABlockSizes`; None: the default.
+
+    Returns: out `[B, S, Hq, D]`, or (out, lse). Differentiable in q, k, v (and through lse).
+    """
+    scale, block_size = validate_nsa_selection(q, k, v, block_indices, block_counts, ranges, block_size, causal, scale,
+                                               segment_ids)
+    call = registry.Call.of(q)
+    entry = registry.resolve("nsa", implementation, call)
+    config = registry.check_config(entry, config, call)
+    S = q.shape[1]
+    with torch.no_grad():  # the canonical form: disjoint ranges, causality folded in
+        if ranges is None:
+            blocks = nsa_ref.canonical_blocks(block_indices, block_counts, block_size, causal, S)
+            spans = nsa_ref.blocks_to_ranges(blocks, block_size, causal, S)
+        else:
+            spans = nsa_ref.canonical_ranges(ranges, causal, S)
+            block_size = None
+    out, lse = entry.fn("selection", q, k, v, spans, scale=scale, segment_ids=segment_ids, block_size=block_size,
+                        config=config)
+    return (out, lse) if return_lse else out
+
+
+def compress_kv(k, v, *, block=32, stride=16, params=None):
+    """NSA's compression of keys and values: k, v `[B, S, Hkv, D]` -> (k_cmp, v_cmp) `[B, Nc, Hkv, D]`,
+    block i covering keys `[i * stride, i * stride + block)` (complete blocks only:
+    `attn_spec.nsa.compressed_count`). params None: mean pooling; or a pair
+    (`attn_spec.nsa.CompressParams` for k, for v) of torch tensors: the MLP with an intra-block
+    position embedding, `gelu((x + pos).reshape(block * D) @ w1 + b1) @ w2 + b2` (exact erf GELU),
+    computed in k's dtype. Plain torch ops (one unfold and matmuls), differentiable in k, v and params.
+    """
+    block, stride = validate_nsa_compress(k, v, block, stride, params)
+    return nsa_ref.compress_kv(k, v, block=block, stride=stride, params=params)
+
+
+def compression_attention(q, k_cmp, v_cmp, *, block=32, stride=16, scale=None, segment_ids=None, return_lse=False,
+                          implementation=None):
+    """NSA's compression branch: attention of q `[B, S, Hq, D]` over the compressed keys and values
+    `[B, Nc, Hkv, D]` (`compress_kv`), block-causal: query t sees block i iff
+    `compressed_end(i) = i * stride + block - 1 <= t`; with segment_ids `[B, S]`, iff moreover every
+    key of the block is in t's segment. Rows that see no block: out 0, lse -inf.
+
+    implementation: None, "triton" (the softmax kernels on a folded layout: the `stride` queries
+    that see the same blocks become rows of one causal attention) or "eager".
+    Returns out `[B, S, Hq, D]`, or (out, lse `[B, Hq, S]` float32). Differentiable.
+    """
+    scale, block, stride = validate_nsa_compression(q, k_cmp, v_cmp, block, stride, scale, segment_ids)
+    entry = registry.resolve("nsa", implementation, registry.Call.of(q))
+    out, lse = entry.fn("compression", q, k_cmp, v_cmp, block=block, stride=stride, scale=scale,
+                        segment_ids=segment_ids)
+    return (out, lse) if return_lse else out
+
+
+def select_blocks(q, k_cmp, lse_cmp, *, block=32, stride=16, select_block=64, num_selected=16, scale=None,
+                  implementation=None):
+    """NSA's top-n block selection -> int32 `[B, S, Hkv, num_selected]`.
+
+    Importance of selection block j for query t and kv head g: the compression probabilities
+    `exp(scale q.k_cmp - lse_cmp)` of the group's heads (lse_cmp `[B, Hq, S]` from
+    `compression_attention(..., return_lse=True)`) summed through `attn_spec.nsa.overlap_matrix`.
+    Rule (`attn_spec.nsa`): blocks beyond t's frontier are out; block 0 and the blocks t // select_block
+    - 1 and t // select_block are always in; the rest by importance, larger first, ties to the lower
+    index; the result ascending, -1 for slots no block fills. Not differentiated.
+    """
+    scale, cfg = validate_nsa_select(q, k_cmp, lse_cmp, block, stride, select_block, num_selected, scale)
+    entry = registry.resolve("nsa", implementation, registry.Call.of(q))
+    return entry.fn("select_blocks", q.detach(), k_cmp.detach(), lse_cmp.detach(), block=cfg.compress_block,
+                    stride=cfg.compress_stride, select_block=cfg.select_block, num_selected=cfg.num_selected,
+                    scale=scale)
+
+
+def nsa_attention(q, k, v, gates, *, compress_block=32, compress_stride=16, select_block=64, num_selected=16,
+                  window=512, compress_params=None, scale=None, segment_ids=None, implementation=None):
+    """Native Sparse Attention (Yuan et al. 2025; `attn_spec.nsa`): per query token
+    `o = g[..., 0] * o_cmp + g[..., 1] * o_slc + g[..., 2] * o_win`.
+
+    q `[B, S, Hq, D]`, k, v `[B, S, Hkv, D]`, gates `[B, S, Hq, 3]` (compression, selection, window;
+    e.g. sigmoids of a projection). o_cmp: `compression_attention` over `compress_kv(k, v,
+    params=compress_params)`; o_slc: `selection_attention` over the blocks of `select_blocks` (from
+    the compression branch's probabilities; with segment_ids those of the segment-masked branch);
+    o_win: causal sliding-window attention over the last `window` keys (`flash_attention`, window
+    (window - 1, 0)); window 0 turns it off. The branches combine in float32; out in q's dtype.
+    Gradients reach q, k, v, gates and compress_params (the selection itself is not differentiated).
+    implementation: None, "triton" or "eager", for every branch.
+    """
+    scale, cfg = validate_nsa(q, k, v, gates, compress_block, compress_stride, select_block, num_selected, window,
+                              compress_params, scale, segment_ids)
+    call = registry.Call.of(q)
+    entry = registry.resolve("nsa", implementation, call)
+    S = q.shape[1]
+    k_cmp, v_cmp = nsa_ref.compress_kv(k, v, block=cfg.compress_block, stride=cfg.compress_stride,
+                                       params=compress_params)
+    o_cmp, lse_cmp = entry.fn("compression", q, k_cmp, v_cmp, block=cfg.compress_block, stride=cfg.compress_stride,
+                              scale=scale, segment_ids=segment_ids)
+    blocks = entry.fn("select_blocks", q.detach(), k_cmp.detach(), lse_cmp.detach(), block=cfg.compress_block,
+                      stride=cfg.compress_stride, select_block=cfg.select_block, num_selected=cfg.num_selected,
+                      scale=scale, segment_ids=segment_ids)
+    spans = nsa_ref.blocks_to_ranges(blocks, cfg.select_block, True, S)
+    o_slc, _ = entry.fn("selection", q, k, v, spans, scale=scale, segment_ids=segment_ids,
+                        block_size=cfg.select_block, config=registry.check_config(entry, None, call))
+    o_win = None
+    if cfg.window > 0:
+        o_win = flash_attention(q, k, v, causal=True, window=(cfg.window - 1, 0), scale=scale, segment_ids=segment_ids,
+                                implementation=entry.name)
+    return entry.fn("combine", gates, o_cmp, o_slc, o_win)

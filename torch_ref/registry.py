@@ -31,16 +31,18 @@ from attn_spec.registry import Entry, Registry, UnknownImplementationError
 
 from .ops.common.validation import segment_pair_for_kernel
 from .ops.dilated import reference as dilated_ref
+from .ops.nsa import reference as nsa_ref
 from .ops.softmax import reference as softmax_ref
 from .ops.stick_breaking import reference as stick_breaking_ref
 
 # variant -> its Triton kernel module (relative to this package)
 TRITON_MODULES = {"softmax": ".ops.softmax.triton", "stick_breaking": ".ops.stick_breaking.triton",
-                  "dilated": ".ops.dilated.triton"}
+                  "dilated": ".ops.dilated.triton", "nsa": ".ops.nsa.triton"}
 # variant -> (its config class, its default-config function) in TRITON_MODULES[variant]
 _TRITON_CONFIGS = {"softmax": ("BlockSizes", "default_block_sizes"),
                    "stick_breaking": ("StickBreakingBlockSizes", "default_stick_breaking_block_sizes"),
-                   "dilated": ("BlockSizes", "default_block_sizes")}  # the softmax engine's tiles
+                   "dilated": ("BlockSizes", "default_block_sizes"),  # the softmax engine's tiles
+                   "nsa": ("NSABlockSizes", "default_nsa_block_sizes")}
 
 __all__ = ["Call", "Entry", "IMPLEMENTATIONS", "REGISTRY", "TRITON_MODULES", "UnknownImplementationError", "VARIANTS",
            "canonical", "check_config", "choose", "interpreter_requested", "resolve", "resolve_implementation"]
@@ -137,6 +139,18 @@ def _dilated_triton(q, k, v, *, segment_lengths, dilation_rates, causal, merge, 
                                                         scale=scale, config=config)
 
 
+# NSA has several operations (attn_spec.nsa): an entry's fn takes the operation's name first,
+# `fn(op, *args, **kwargs)`, op one of "selection", "compress_kv", "compression", "select_blocks", "combine",
+# each with the arguments of `torch_ref.ops.nsa.reference`'s function of that name (the Triton
+# module's take `config` as well).
+def _nsa_eager(op: str, *args, config=None, **kwargs):
+    return getattr(nsa_ref, op)(*args, **kwargs)
+
+
+def _nsa_triton(op: str, *args, **kwargs):
+    return getattr(_kernels("nsa"), op)(*args, **kwargs)
+
+
 def _triton_entry(variant: str, fn: Callable) -> Entry:
     return Entry(variant, "triton", fn, lambda call: _triton_reason(call, variant),
                  lambda: _triton_config_type(variant), lambda call: _triton_default_config(variant, call))
@@ -149,6 +163,8 @@ _ENTRIES = (
     Entry("stick_breaking", "eager", _stick_breaking_eager, lambda call: None),
     _triton_entry("dilated", _dilated_triton),
     Entry("dilated", "eager", _dilated_eager, lambda call: None),
+    _triton_entry("nsa", _nsa_triton),
+    Entry("nsa", "eager", _nsa_eager, lambda call: None),
 )
 
 

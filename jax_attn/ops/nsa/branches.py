@@ -1,0 +1,86 @@
+"""NSA's compression branch and block importance at scale (the "triton" implementation's).
+
+Compression attention on the flash engine. Query t sees compressed block i iff
+`i * stride + block - 1 <= t` (`attn_spec.nsa.compressed_end`). Write t = m * stride + o (slot o of
+row m): the condition is `i <= m - c_o` with `c_o = ceil((block - 1 - o) / stride)`, which is
+`block / stride` for every slot but the last and one less for the last. So the queries of a slot
+are causal attention over the compressed keys with the queries c rows late: dropping a slot's
+first c rows (they see no block) leaves plain top-left causal attention, row m - c against keys
+<= m - c. The slots go to the batch axis (the compressed keys, 1/stride of the keys, are repeated
+there), two engine calls (`flash_attention`, causal, no offset: the fastest kernels of the device
+serve it) cover every query, and the engine's backward gives the gradients. The engine skips the
+tiles beyond each row's frontier, as for any causal call.
+
+Importance for the top-n rule: `importance.py` sums the compression probabilities over each
+group's heads per compressed key; `to_selection_blocks` maps them to selection blocks. Where
+stride divides the selection block and the compression block (powers of two: whenever
+stride <= select_block), selection block j overlaps compression blocks [j r - b + 1, (j + 1) r - 1]
+(r = select_block / stride, b = block / stride): a reshape sum plus b - 1 shifted slices;
+otherwise a product with `nsa.overlap_matrix`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_spec import nsa
+from jax_attn.ops.common import padding
+from jax_attn.ops.nsa import reference
+
+
+def compression_engine(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, q_ids=None, attention):
+    """Block-causal attention over the compressed keys through `attention(q, k, v, segment_ids)`
+    -> (out, lse) (the flash engine, causal, top-left) -> (out [B, S, Hq, D], lse [B, Hq, S])."""
+    batch, seq_len, num_heads, head_dim = q.shape
+    count = k_cmp.shape[1]
+    if count == 0:  # no complete block: every row sees nothing
+        return jnp.zeros_like(q), jnp.full((batch, num_heads, seq_len), -jnp.inf, jnp.float32)
+    rows = -(-seq_len // stride)
+    qs = padding.pad_axis(q, 1, rows * stride).reshape(batch, rows, stride, num_heads, head_dim)
+    qs = qs.transpose(2, 0, 1, 3, 4)  # [stride, B, M, Hq, D]: slot o's queries t = m * stride + o
+    if q_ids is not None:
+        ids = padding.pad_axis(q_ids.astype(jnp.int32), 1, rows * stride, mode="edge")
+        ids = ids.reshape(batch, rows, stride).transpose(2, 0, 1)
+        kc_ids, whole = reference.compressed_segment_ids(q_ids.astype(jnp.int32), block, stride)
+        kc_ids = jnp.where(whole, kc_ids, ids.min() - 1)  # a block across segments: an id no query has
+    c = block // stride
+    outs, lses = [], []
+    for lo, hi, offset in ((0, stride - 1, c), (stride - 1, stride, c - 1)):
+        n = hi - lo
+        if n == 0:
+            continue
+        late = rows - offset  # rows that see a block: m >= offset
+        if late <= 0:
+            outs.append(jnp.zeros((n, batch, rows, num_heads, head_dim), q.dtype))
+            lses.append(jnp.full((n, batch, num_heads, rows), -jnp.inf, jnp.float32))
+            continue
+        qg = qs[lo:hi, :, offset:].reshape(n * batch, late, num_heads, head_dim)
+        kg, vg = (jnp.broadcast_to(x[None], (n, *x.shape)).reshape(n * batch, *x.shape[1:]) for x in (k_cmp, v_cmp))
+        seg = None if q_ids is None else (ids[lo:hi, :, offset:].reshape(n * batch, late),
+                                          jnp.broadcast_to(kc_ids[None], (n, *kc_ids.shape)).reshape(n * batch, count))
+        out, lse = attention(qg, kg, vg, seg)
+        out = jnp.pad(out.reshape(n, batch, late, num_heads, head_dim), ((0, 0), (0, 0), (offset, 0), (0, 0), (0, 0)))
+        lse = jnp.pad(lse.reshape(n, batch, num_heads, late), ((0, 0), (0, 0), (0, 0), (offset, 0)),
+                      constant_values=-jnp.inf)
+        outs.append(out)
+        lses.append(lse)
+    out = jnp.concatenate(outs, axis=0).transpose(1, 2, 0, 3, 4).reshape(batch, rows * stride, num_heads, head_dim)
+    lse = jnp.concatenate(lses, axis=0).transpose(1, 2, 3, 0).reshape(batch, num_heads, rows * stride)
+    return out[:, :seq_len], lse[:, :, :seq_len]
+
+
+def to_selection_blocks(p, seq_len: int, block: int, stride: int, select_block: int):
+    """p [..., Nc] (per compression block) -> [..., Ns] (per selection block, summed over overlaps)."""
+    count, num = p.shape[-1], nsa.selection_count(seq_len, select_block)
+    if select_block % stride or block % stride:
+        overlap = jnp.asarray(nsa.overlap_matrix(seq_len, block, stride, select_block), p.dtype)
+        return jnp.einsum("...i,ij->...j", p, overlap, precision=jax.lax.Precision.HIGHEST)
+    r, b = select_block // stride, block // stride
+    lead = [(0, 0)] * (p.ndim - 1)
+    # front: b - 1 zeros (blocks before 0); back: up to num * r entries
+    padded = jnp.pad(p, lead + [(b - 1, max(0, num * r - count))])
+    own = padded[..., b - 1:b - 1 + num * r].reshape(*p.shape[:-1], num, r).sum(-1)
+    for shift in range(1, b):  # compression block j r - shift also overlaps selection block j
+        own = own + padded[..., b - 1 - shift:b - 1 - shift + num * r:r]
+    return own
