@@ -382,15 +382,16 @@ class EncoderBlock(nnx.Module):
                  deterministic: bool | None = None, implementation: str | None = None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         d_ff = feed_forward_width(d_model, d_ff)
+        nsa_args = dict(compress_block=compress_block, compress_stride=compress_stride, select_block=select_block,
+                        num_selected=num_selected, compress=compress, compress_hidden=compress_hidden,
+                        gate_hidden=gate_hidden)
+        # every argument checked here (those the attention kind does not take must stay neutral: the
+        # NSA ones never reach MultiHeadSelfAttention)
+        spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position, rope=rope,
+                                causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
+                                segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
+                                dropout_rate=dropout_rate, **nsa_args)
         if attention == "nsa":
-            nsa_args = dict(compress_block=compress_block, compress_stride=compress_stride, select_block=select_block,
-                            num_selected=num_selected, compress=compress, compress_hidden=compress_hidden,
-                            gate_hidden=gate_hidden)
-            # every argument checked as for the other kinds (those NSA does not take must stay neutral)
-            spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
-                                    rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
-                                    learn_decay=learn_decay, segment_lengths=segment_lengths,
-                                    dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate, **nsa_args)
             nsa_args = {name: getattr(spec.nsa, name) for name in nsa_args}
             self.attn = NativeSparseAttention(
                 d_model, num_heads, num_kv_heads=num_kv_heads, window=spec.nsa.window, position=position, rope=rope,
