@@ -5,7 +5,7 @@ and runs: 16 or more query heads per kv head) and cuDNN full causal attention (t
 Run on the GPU machine from the repository root:
 
     PYTHONPATH=. python3 benchmarks/nsa_torch.py [--seq 65536] [--heads 64] [--kv-heads 4] [--quick]
-        [--out benchmarks/results]
+        [--sweep] [--out benchmarks/results]
 
 Default case (the DESIGN.md anchor): B=1, 64k tokens, 64 query / 4 kv heads, D=128, bf16, 16
 selected blocks of 64, compression blocks of 64 (stride 64), window 0. Rows, forward and
@@ -102,6 +102,8 @@ def main():
     ap.add_argument("--window", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="16k tokens")
     ap.add_argument("--skip-cudnn", action="store_true")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the selection rows under a few NSABlockSizes (warps, stages, dK/dV tokens)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     if args.quick:
@@ -133,6 +135,15 @@ def main():
         print(json.dumps(row), flush=True)
 
     record("selection", lambda: torch_ref.selection_attention(q, k, v, idx, block_size=bs), (q, k, v), sel_flop)
+    if args.sweep:
+        import dataclasses
+
+        base = torch_ref.default_nsa_block_sizes(D, dt, True)
+        for change in (dict(num_warps=2), dict(num_warps=8), dict(num_stages=1), dict(num_stages=3),
+                       dict(num_warps_bwd=4), dict(tokens_dkv=4), dict(tokens_dkv=1), dict(chunk_dkv=4096)):
+            cfg = dataclasses.replace(base, **change)
+            run = lambda cfg=cfg: torch_ref.selection_attention(q, k, v, idx, block_size=bs, config=cfg)  # noqa: E731
+            record(f"selection {change}", run, (q, k, v), sel_flop)
     fla_fn, reason = _fla_selection(q, k, v, idx, n, bs)
     if fla_fn is None:
         rows.append(dict(name="fla_selection", absent=reason))

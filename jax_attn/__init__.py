@@ -2,7 +2,9 @@
 
 Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD). Implementations ("triton",
 "mosaic", "xla") and the rule for implementation=None live in `jax_attn.registry`; tile configs
-(`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`) are passed as `config=`.
+(`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`, `NSABlockSizes`) are passed as `config=`.
+Native Sparse Attention: `nsa_attention` and its parts `compress_kv`, `compression_attention`,
+`select_blocks`, `selection_attention`.
 """
 from jax_attn.api import (compress_kv, compression_attention, dilated_attention, flash_attention,
                           flash_attention_varlen, nsa_attention, select_blocks, selection_attention,

@@ -409,9 +409,10 @@ def selection_attention(q, k, v, block_indices=None, block_counts=None, *, range
         if block_counts is not None:
             validation.check_int_array("block_counts", block_counts, rows)
     scale = validation.check_positive("scale", scale)
-    spec, call = _nsa_call(q, scale, q_ids is not None)
+    spec, _ = _nsa_call(q, scale, q_ids is not None)
     spec = dataclasses.replace(spec, causal=bool(causal))
-    entry = registry.resolve("nsa", implementation, registry.Call(spec, head_dim, q.dtype))
+    call = registry.Call(spec, head_dim, q.dtype)
+    entry = registry.resolve("nsa", implementation, call)
     config = registry.check_config(entry, config, call)
     if ranges is not None:
         sel = dict(ranges=nsa_plan.disjoint_ranges(ranges, seq_len, spec.causal))
@@ -522,7 +523,9 @@ def _select(q, k_cmp, lse_cmp, config, spec, q_ids, fast: bool):
     q, k_cmp, lse_cmp = (jax.lax.stop_gradient(x) for x in (q, k_cmp, lse_cmp))
     kw = dict(block=config.compress_block, stride=config.compress_stride, select_block=config.select_block,
               scale=spec.scale, precision=spec.precision, q_ids=q_ids)
-    imp = (nsa_importance.importance_pallas if fast else nsa_reference.importance_reference)(q, k_cmp, lse_cmp, **kw)
+    if fast:
+        return nsa_importance.select_pallas(q, k_cmp, lse_cmp, num_selected=config.num_selected, **kw)
+    imp = nsa_reference.importance_reference(q, k_cmp, lse_cmp, **kw)
     return nsa_reference.top_n(imp, config.select_block, config.num_selected)
 
 

@@ -104,6 +104,24 @@ def test_selection_lists(batch, seq_len, heads, kv_heads, head_dim, block_size, 
     check_rule(fn, arrays, _cotangents(rng, batch, seq_len, heads, head_dim))
 
 
+@pytest.mark.parametrize("config", [jax_attn.NSABlockSizes(2, 2, 16, 4, 1, 4, 1, 1, 4),
+                                    jax_attn.NSABlockSizes(1, 1, 16, 4, 1, 4, 1, 4, 8)], ids=["chunks4", "gather4"])
+def test_selection_dkdv_work_items(config):
+    """dK/dV with block 0 selected by every token, cut into chunks of 4 or 8 tokens (many items per
+    block, summed per block), one token or four gathered tokens a step; two tokens per forward
+    program; segment ids."""
+    rng = np.random.default_rng(11)
+    batch, seq_len, heads, kv_heads, head_dim, bs, n = 2, 37, 4, 2, 16, 8, 3
+    arrays = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
+    idx = _messy_indices(rng, batch, seq_len, kv_heads, n, bs)
+    idx[..., 1] = 0
+    ids = jnp.asarray(np.sort(rng.integers(0, 2, (batch, seq_len)), axis=1), jnp.int32)
+    fn = lambda impl, q, k, v: selection_attention(q, k, v, jnp.asarray(idx), block_size=bs, segment_ids=ids,
+                                                   return_lse=True, implementation=impl,
+                                                   config=config if impl == "triton" else None)
+    check_rule(fn, arrays, _cotangents(rng, batch, seq_len, heads, head_dim))
+
+
 def test_selection_counts_and_fp16():
     rng = np.random.default_rng(1)
     batch, seq_len, heads, kv_heads, head_dim, bs, n = 1, 41, 4, 2, 32, 16, 3
@@ -229,8 +247,9 @@ def test_compress_mean_is_block_mean():
         np.testing.assert_allclose(np.asarray(vc)[:, i], v[:, i * 8:i * 8 + 16].mean(1), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("block, stride, mlp, segments", [(16, 8, False, False), (8, 8, True, False),
-                                                          (16, 4, False, True), (8, 1, True, True)])
+@pytest.mark.parametrize("block, stride, mlp, segments", [
+    (16, 8, False, False), (8, 8, True, False), pytest.param(16, 4, False, True, marks=pytest.mark.slow),
+    pytest.param(8, 1, True, True, marks=pytest.mark.slow)])
 def test_compression_branch(block, stride, mlp, segments):
     """compress_kv + compression_attention, gradients to q, k, v (and the MLP's parameters)."""
     rng = np.random.default_rng(block + stride)
@@ -321,11 +340,13 @@ def test_top_n_ties_and_forced():
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 1), (6, 2), (2, 2)])
-def test_importance_kernel_matches_reference(heads, kv_heads):
-    """The importance kernel and its shifted-slice overlap map equal the dense reference (with and
-    without segment ids; groups padded inside)."""
+def test_selection_kernel_path_matches_reference(heads, kv_heads):
+    """The importance kernel (groups padded inside), the shifted-slice overlap map and the chunked
+    top-n (chunks far smaller than the sequence) choose what the dense reference chooses, with and
+    without segment ids."""
     rng = np.random.default_rng(8)
     q, k, _ = (jnp.asarray(x, jnp.float32) for x in _qkv(rng, 1, 77, heads, kv_heads, 16))
+    q = q * 3.0  # peaked probabilities: importance gaps far above rounding
     ids = jnp.asarray(np.sort(rng.integers(0, 3, (1, 77)), axis=1), jnp.int32)
     for block, stride, select_block, seg in ((32, 8, 16, None), (16, 16, 16, ids), (16, 8, 4, ids)):
         kc, _ = compress_kv(k, k, block=block, stride=stride)
@@ -334,17 +355,18 @@ def test_importance_kernel_matches_reference(heads, kv_heads):
                                            implementation="xla")
             kw = dict(block=block, stride=stride, select_block=select_block, scale=0.25,
                       precision=jax.lax.Precision.HIGHEST, q_ids=seg)
-            want = reference.importance_reference(q, kc, lse, **kw)
-            got = importance.importance_pallas(q, kc, lse, **kw)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+            want = reference.top_n(reference.importance_reference(q, kc, lse, **kw), select_block, 3)
+            got = importance.select_pallas(q, kc, lse, num_selected=3, max_bytes=4 * 16 * kv_heads * 4, **kw)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # ---------------------------------------------------------------------------------------------
 # nsa_attention
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("heads, kv_heads, window, mlp, segments", [(4, 2, 8, False, False), (2, 2, 0, True, False),
-                                                                    (4, 1, 12, False, True)])
+@pytest.mark.parametrize("heads, kv_heads, window, mlp, segments", [
+    pytest.param(4, 2, 8, False, False, marks=pytest.mark.slow), (2, 2, 0, True, False),
+    pytest.param(4, 1, 12, False, True, marks=pytest.mark.slow)])
 def test_nsa_attention(heads, kv_heads, window, mlp, segments):
     """All branches gated; gradients to q, k, v, gates (and the MLP). num_selected = every block, so
     the choice is the same in every dtype (the golden and the run select alike)."""
@@ -365,6 +387,7 @@ def test_nsa_attention(heads, kv_heads, window, mlp, segments):
     check_rule(fn, [q, k, v, gates, *params], [rng.standard_normal((batch, seq_len, heads, head_dim))])
 
 
+@pytest.mark.slow
 def test_nsa_attention_sparse_selection_matches_xla():
     """num_selected below the block count: the kernel path and the plain path choose the same blocks
     and agree to fp32 rounding."""
@@ -471,9 +494,14 @@ def test_registry_rule():
 # GPU: compiled kernels at realistic shapes
 # ---------------------------------------------------------------------------------------------
 
+GPU_CONFIGS = [None, jax_attn.NSABlockSizes(tokens=1, tokens_dq=1), jax_attn.NSABlockSizes(tokens_dkdv=4)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("seq_len, heads, kv_heads", [(4096, 16, 1), (8192, 16, 16), (16384, 64, 4)])
-def test_gpu_selection_bf16(seq_len, heads, kv_heads):
+@pytest.mark.parametrize("seq_len, heads, kv_heads, config", [
+    (4096, 16, 1, None), (4096, 16, 1, GPU_CONFIGS[1]), (4096, 16, 1, GPU_CONFIGS[2]), (4096, 8, 8, GPU_CONFIGS[2]),
+    (8192, 16, 16, None), (16384, 64, 4, None)], ids=["r16", "r16_t1", "r16_gather", "r1_gather", "r1_8k", "r16_16k"])
+def test_gpu_selection_bf16(seq_len, heads, kv_heads, config):
     """The selection kernels against the plain reference in bf16 (forward and gradients) and the
     fp32 reference as the golden, with the canonical NSA selection (16 blocks of 64)."""
     rng = np.random.default_rng(seq_len)
@@ -484,7 +512,8 @@ def test_gpu_selection_bf16(seq_len, heads, kv_heads):
     idx = np.minimum(rng.integers(0, num, (batch, seq_len, kv_heads, n)), t // bs).astype(np.int32)
     idx[..., 0] = t[..., 0] // bs
     cts = _cotangents(rng, batch, seq_len, heads, head_dim)
-    fn = lambda impl, q, k, v: selection_attention(q, k, v, jnp.asarray(idx), return_lse=True, implementation=impl)
+    fn = lambda impl, q, k, v: selection_attention(q, k, v, jnp.asarray(idx), return_lse=True, implementation=impl,
+                                                   config=config if impl == "triton" else None)
     if seq_len > 8192:  # the dense reference would not fit: the kernel in fp32 is the golden's stand-in
         gold = _run(fn, (q, k, v), cts, jnp.float32, "triton")
         fast = _run(fn, (q, k, v), cts, jnp.bfloat16, "triton")
@@ -513,3 +542,47 @@ def test_gpu_nsa_attention_bf16():
     fast = _run(fn, (q, k, v, gates), ct, jnp.bfloat16, "triton")
     for x in fast:
         assert np.isfinite(x).all()
+
+
+@pytest.mark.gpu
+def test_gpu_ranges_bf16():
+    """The ranges form compiled: two ranges per row (a window and a prefix), against the reference."""
+    rng = np.random.default_rng(1)
+    batch, seq_len, heads, kv_heads, head_dim = 1, 2048, 16, 2, 128
+    q, k, v = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
+    t = np.arange(seq_len)[None, :, None]
+    ranges = np.stack([np.stack([np.maximum(t - 300, 0), t + 1], -1),
+                       np.stack([np.zeros_like(t), np.minimum(t, 100)], -1)], axis=-2)
+    ranges = np.broadcast_to(ranges, (batch, seq_len, kv_heads, 2, 2)).astype(np.int32)
+    fn = lambda impl, q, k, v: selection_attention(q, k, v, ranges=jnp.asarray(ranges), return_lse=True,
+                                                   implementation=impl)
+    cts = _cotangents(rng, batch, seq_len, heads, head_dim)
+    gold = _run(fn, (q, k, v), cts, jnp.float32, "xla")
+    naive = _run(fn, (q, k, v), cts, jnp.bfloat16, "xla")
+    fast = _run(fn, (q, k, v), cts, jnp.bfloat16, "triton")
+    for i, (f, nv, g) in enumerate(zip(fast, naive, gold)):
+        verdict = compare(f, nv, g, NP_DTYPE[jnp.bfloat16], FORWARD_FACTOR if i < 2 else GRADIENT_FACTOR)
+        assert verdict.ok, f"{i}: {verdict}"
+
+
+@pytest.mark.gpu
+def test_gpu_select_blocks_matches_reference():
+    """The compiled importance kernel and chunked top-n choose blocks as good as the dense
+    reference's: where the choices differ, the chosen sets have the same total importance (ties
+    in fp32)."""
+    rng = np.random.default_rng(2)
+    batch, seq_len, heads, kv_heads, head_dim = 1, 8192, 64, 4, 128
+    q, k, _ = (jnp.asarray(x, jnp.float32) for x in _qkv(rng, batch, seq_len, heads, kv_heads, head_dim))
+    with jax.default_matmul_precision("highest"):
+        kc, _ = compress_kv(k, k)
+        _, lse = compression_attention(q, kc, kc, return_lse=True)
+        kw = dict(block=32, stride=16, select_block=64, scale=head_dim ** -0.5,
+                  precision=jax.lax.Precision.HIGHEST)
+        imp = reference.importance_reference(q, kc, lse, **kw)
+        want = np.asarray(reference.top_n(imp, 64, 16))
+        got = np.asarray(select_blocks(q, kc, lse, implementation="triton"))
+    differ = (got != want).any(-1)
+    assert differ.mean() < 0.01
+    imp = np.asarray(imp, np.float64)
+    total = lambda sel: np.where(sel >= 0, np.take_along_axis(imp, np.maximum(sel, 0), -1), 0.0).sum(-1)
+    np.testing.assert_allclose(total(got)[differ], total(want)[differ], rtol=1e-5)

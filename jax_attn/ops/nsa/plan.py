@@ -69,3 +69,18 @@ def transpose_plan(blocks, num_blocks: int):
     bounds = jnp.arange(num_blocks + 1, dtype=jnp.int32)
     search = jax.vmap(jax.vmap(lambda s: jnp.searchsorted(s, bounds, side="left")))
     return tokens, search(sorted_key).astype(jnp.int32)
+
+
+def tile_union(blocks, tokens: int):
+    """The blocks a program of `tokens` consecutive query tokens walks: blocks int32 [B, L, Hkv, n]
+    (canonical, L a multiple of tokens) -> (union int32 [B, L / tokens, Hkv, tokens * n]: every
+    block some token of the tile selected, once, ascending, then -1; member int32 (same shape):
+    bit i set where token i of the tile selected it; counts int32 [B, Hkv, L / tokens])."""
+    batch, length, heads, n = blocks.shape
+    per_token = blocks.reshape(batch, length // tokens, tokens, heads, n).transpose(0, 1, 3, 2, 4)
+    union, counts = canonical_blocks(per_token.reshape(batch, length // tokens, heads, tokens * n), None, 1,
+                                     _BIG, causal=False)
+    chosen = (union[..., :, None, None] == per_token[..., None, :, :]).any(-1) & (union >= 0)[..., None]
+    bits = jnp.arange(tokens, dtype=jnp.int32)[None, None, None, None, :]
+    member = (chosen.astype(jnp.int32) << bits).sum(-1, dtype=jnp.int32)
+    return union, member, counts.transpose(0, 2, 1)

@@ -151,12 +151,13 @@ def importance_reference(q, k_cmp, lse, *, block: int, stride: int, select_block
     return jnp.einsum("bthi,ij->bthj", p.sum(3), overlap, precision=jax.lax.Precision.HIGHEST)
 
 
-def top_n(importance, select_block: int, num_selected: int):
-    """The top-n rule of `attn_spec.nsa` on imp [B, S, Hkv, Ns] -> int32 [B, S, Hkv, n]: blocks
-    beyond the frontier out, the forced ones in, the rest by importance (larger first, ties to the
-    lower index: `lax.top_k`'s order), ascending, -1 where no block fills a slot."""
+def top_n(importance, select_block: int, num_selected: int, first=0):
+    """The top-n rule of `attn_spec.nsa` on imp [B, C, Hkv, Ns] of query tokens first .. first + C - 1
+    -> int32 [B, C, Hkv, n]: blocks beyond the frontier out, the forced ones in, the rest by
+    importance (larger first, ties to the lower index: `lax.top_k`'s order), ascending, -1 where no
+    block fills a slot."""
     seq_len, count = importance.shape[1], importance.shape[-1]
-    t = jnp.arange(seq_len, dtype=jnp.int32)[:, None]
+    t = first + jnp.arange(seq_len, dtype=jnp.int32)[:, None]
     j = jnp.arange(count, dtype=jnp.int32)[None, :]
     forced = jnp.zeros((seq_len, count), bool)
     for f in nsa.forced_blocks(t, select_block):

@@ -4,19 +4,24 @@ Reads top to bottom: config, the token's key walk shared by the kernels, forward
 `custom_vjp` wiring and the entry point that lays the arrays out for the kernels.
 
 Group-centric (Yuan et al. 2025, Sec. 3.4 "Kernel design"): the query heads of one kv head share
-their selection, so they form the ROWS of a tile. A program takes (a few query tokens, batch, kv
-head) and, token by token, walks the token's key blocks (lists: the canonical selected blocks of
-`plan.canonical_blocks`; ranges: key tiles over the disjoint ranges of `plan.disjoint_ranges`),
-loading each block of keys at a dynamic start (`pl.ds`), with an online softmax in fp32 and the
-causal and segment element mask. A group smaller than the smallest dot (16 rows) is padded in
-registers: its rows are repeated to 16 (the same dot a zero-padded tile costs, no copy of q in
-memory), and the repeated rows are folded back before the store.
+their selection, so they form the ROWS of a tile. A forward program takes (T query tokens, batch,
+kv head); its rows are the T tokens x the group's heads, and it walks the union of its tokens'
+key blocks (`plan.tile_union`, each block once, a bit per token saying who selected it), loading
+each block of keys once at a dynamic start (`pl.ds`), with an online softmax in fp32 and the
+membership, causal and segment element mask. The ranges form takes one token per program and
+walks the key tiles of its disjoint ranges (`plan.disjoint_ranges`). A tile of fewer than 16 rows
+(the smallest dot) is padded in registers: its rows are repeated to 16 (the same dot a
+zero-padded tile costs, no copy of q in memory), and the copies are folded back before the store.
 
 Backward (FlashAttention-2 Alg. 2, recomputing P from the saved row max and 1 / row sum):
-- dQ: the forward's walk, per token.
-- dK/dV, lists: one program per (key block, batch, kv head) walks the TRANSPOSE plan
-  (`plan.transpose_plan`: the query tokens that selected this block, from a stable sort of
-  (block, token) pairs in XLA), gathering each token's group rows. No atomics: deterministic.
+- dQ: the forward's tiles and walk.
+- dK/dV, lists: the TRANSPOSE plan (`plan.transpose_plan`: for every key block the query tokens
+  that selected it, from a stable sort of (block, token) pairs in XLA), cut into work items of at
+  most `chunk_dkdv` tokens of one block (block 0, which every token selects, would otherwise be
+  one program walking the whole sequence). One program per item loads its key block once and
+  walks its tokens, gathering each token's group rows (or several tokens' rows into one tile),
+  and writes a partial dK/dV; a second kernel sums every block's partials in item order. No
+  atomics: deterministic.
 - dK/dV, ranges: one program per (key tile, batch, kv head) walks the query tokens that can see
   it (causal: from the tile on) and skips, on a scalar test, the tokens none of whose ranges meet
   the tile (O(S) scalar work per tile: the ranges form serves the original project's calls, the
@@ -44,40 +49,60 @@ warnings.filterwarnings(
     category=DeprecationWarning)
 
 
+MAX_TOKENS = 16  # tokens of a forward / dQ tile: one bit each in the union's int32 masks
+
+
 @dataclasses.dataclass(frozen=True)
 class NSABlockSizes:
     """Tiles and launch parameters of the selection kernels.
 
-    tokens / tokens_dq: query tokens per forward / dQ program (walked one after the other; more
-    tokens per program, fewer programs). block_k_ranges: the key tile of the ranges form (the
+    tokens / tokens_dq: query tokens per forward / dQ program, at most 16: the tile's rows are
+    these tokens x the group's heads and the program walks the union of their blocks once, so
+    neighbours that share blocks share their loads (None: the group decides, about 64 rows on a
+    GPU; ranges: one token a program). block_k_ranges: the key tile of the ranges form (the
     block lists walk blocks of `block_size`). The backward kernels launch with num_warps_bwd,
-    num_stages_bwd."""
+    num_stages_bwd. dK/dV of the block lists: a program takes at most chunk_dkdv of a block's
+    tokens (a block every token selects, block 0, becomes many programs: no program walks the
+    whole sequence), tokens_dkdv of them per step (> 1: their group rows gathered into one tile,
+    tokens_dkdv * G rows; 1: one token's rows per step, repeated to 16 rows when the group is
+    smaller). Powers of two."""
 
-    tokens: int = 1
-    tokens_dq: int = 1
+    tokens: int | None = None
+    tokens_dq: int | None = None
     block_k_ranges: int = 64
     num_warps: int = 4
     num_stages: int = 2
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
+    tokens_dkdv: int = 1
+    chunk_dkdv: int = 512
 
     def __post_init__(self):
         check_launch_fields(self)
-        for name in ("tokens", "tokens_dq"):
+        for name, most in (("tokens", MAX_TOKENS), ("tokens_dq", MAX_TOKENS), ("tokens_dkdv", None),
+                           ("chunk_dkdv", None)):
             value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"NSABlockSizes.{name}={value} must be a power of two >= 1")
+            if value is None and name in ("tokens", "tokens_dq"):  # chosen by the group size
+                continue
+            if value < 1 or value & (value - 1) or (most is not None and value > most):
+                limit = f" and <= {most}" if most is not None else ""
+                raise ValueError(f"NSABlockSizes.{name}={value} must be a power of two >= 1{limit}")
 
 
 def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> NSABlockSizes:
-    """Interpret mode: one token per program, small key tiles (short CPU runs). GPU: the group's
-    rows are one small tile whatever the tokens per program, so a program takes 4 tokens to
-    amortise its launch and its prologue; 4 warps fit the 16-row dots."""
+    """Interpret mode: small tiles (short CPU runs). GPU: tokens per program by the group
+    (`tokens_for_group`); 4 warps for tiles of 16 to 64 rows; dK/dV in items of 512 tokens."""
     if interpret:
-        return NSABlockSizes(1, 1, 16, 4, 1, 4, 1)
+        return NSABlockSizes(None, None, 16, 4, 1, 4, 1, 1, 8)
     if jnp.dtype(dtype) == jnp.float32 or head_dim > 128:
-        return NSABlockSizes(2, 2, 64, 4, 1, 4, 1)
-    return NSABlockSizes(4, 4, 64, 4, 2, 4, 2)
+        return NSABlockSizes(None, None, 64, 4, 1, 4, 1, 1, 512)
+    return NSABlockSizes(None, None, 64, 4, 2, 4, 2, 1, 512)
+
+
+def tokens_for_group(group: int, interpret: bool) -> int:
+    """Tokens per forward / dQ program when the config leaves it open: tiles of about 64 rows on a
+    GPU (16 in the interpreter), at most MAX_TOKENS tokens."""
+    return max(1, min(MAX_TOKENS, (MIN_BLOCK if interpret else 64) // group))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,24 +132,26 @@ def _dot(a, b, st, *, trans_b=False):
     return jax.lax.dot_general(a, b, dims, precision=st.precision, preferred_element_type=jnp.float32)
 
 
-def _spread(x, st):
-    """A token's group rows [G, ...] -> the tile's [rows, ...]: repeated (row r is head r % G)."""
-    copies = st.rows // st.group
+def _spread(x, rows: int):
+    """A tile's real rows [R0, ...] -> [rows, ...], repeated (row r holds real row r % R0): the
+    rows a dot needs (16) when there are fewer."""
+    copies = rows // x.shape[0]
     if copies == 1:
         return x
-    return jnp.broadcast_to(x[None], (copies, *x.shape)).reshape(st.rows, *x.shape[1:])
+    return jnp.broadcast_to(x[None], (copies, *x.shape)).reshape(rows, *x.shape[1:])
 
 
-def _fold(x, st):
-    """The inverse of `_spread` on rows that hold equal copies: [rows, ...] -> [G, ...]."""
-    copies = st.rows // st.group
+def _fold(x, real: int):
+    """The inverse of `_spread` on rows that hold equal copies: [rows, ...] -> [real, ...]."""
+    copies = x.shape[0] // real
     if copies == 1:
         return x
-    return x.reshape(copies, st.group, *x.shape[1:]).max(axis=0)
+    return x.reshape(copies, real, *x.shape[1:]).max(axis=0)
 
 
 def _mask(st, pos, cols, q_seg, kv_seg, lo=None, hi=None):
-    """Keys `cols` a query at `pos` sees: inside the sequence, causal, in its segment, in [lo, hi)."""
+    """Keys `cols` a query at `pos` sees: inside the sequence, causal, in its segment, in [lo, hi)
+    (operands broadcast: [rows, 1] against [1, keys], or the transpose)."""
     mask = cols < st.seq_len
     if st.causal:
         mask &= cols <= pos
@@ -135,99 +162,131 @@ def _mask(st, pos, cols, q_seg, kv_seg, lo=None, hi=None):
     return mask
 
 
-def _walk(st, t, sel, body, carry):
-    """Run `body(start, lo, hi, carry)` over the key tiles of token row t (of this program's
-    selection refs): lists, each canonical block (lo = hi = None: the whole block); ranges, the
-    tiles of each disjoint range [lo, hi) (masked to it)."""
+class _Tile:
+    """The rows of a forward / dQ program: its T tokens x the padded group (row r = token
+    r // G, head r % G), repeated to at least 16 rows."""
+
+    def __init__(self, st, tokens: int, seg_ref):
+        self.real = tokens * st.group
+        self.rows = max(MIN_BLOCK, self.real)
+        self.tokens = tokens
+        base = pl.program_id(0) * tokens
+        token = jnp.arange(self.rows) % self.real // st.group
+        self.token = token  # the row's token within the program (its bit in the union's masks)
+        self.pos = (base + token)[:, None]
+        self.q_seg = None
+        if st.has_segments:
+            self.q_seg = _spread(jnp.broadcast_to(seg_ref[pl.ds(base, tokens)][:, None], (tokens, st.group))
+                                 .reshape(self.real), self.rows)[:, None]
+
+    def load(self, ref):
+        """A [T, G, ...] block -> the tile's [rows, ...]."""
+        x = ref[...]
+        return _spread(x.reshape(self.real, *x.shape[2:]), self.rows)
+
+    def store(self, ref, x):
+        """The tile's [rows, ...] -> a [T, G, ...] block (copies folded)."""
+        x = _fold(x, self.real)
+        ref[...] = x.reshape(ref.shape).astype(ref.dtype)
+
+
+def _walk(st, tile, sel, body, carry):
+    """Run `body(start, extra_mask, carry)` over the key blocks of the program's tokens.
+    Lists: the union of its tokens' canonical blocks (`plan.tile_union`), each once, with the
+    rows of the tokens that selected it (extra_mask [rows, 1]). Ranges (one token a program):
+    the key tiles of each disjoint range, masked to it (extra_mask [1, width])."""
     width = st.block_size
     if not st.ranges:
-        blocks_ref, counts_ref = sel
+        union_ref, member_ref, count_ref = sel
 
-        def block(j, c):
-            return body(pl.multiple_of(blocks_ref[t, j] * width, width), None, None, c)
+        def block(u, c):
+            mine = (jnp.right_shift(member_ref[u], tile.token) & 1) == 1
+            return body(pl.multiple_of(union_ref[u] * width, width), mine[:, None], c)
 
-        return jax.lax.fori_loop(0, counts_ref[t], block, carry)
+        return jax.lax.fori_loop(0, count_ref[pl.program_id(0)], block, carry)
     (ranges_ref,) = sel
 
     def one_range(r, c):
-        lo, hi = ranges_ref[t, r, 0], ranges_ref[t, r, 1]
+        lo, hi = ranges_ref[0, r, 0], ranges_ref[0, r, 1]
         first = lo // width
         last = jnp.where(hi > lo, (hi + width - 1) // width, first)  # an empty range walks nothing
 
-        def tile(j, c2):
-            return body(pl.multiple_of(j * width, width), lo, hi, c2)
+        def key_tile(j, c2):
+            start = pl.multiple_of(j * width, width)
+            cols = start + jnp.arange(width)
+            return body(start, ((cols >= lo) & (cols < hi))[None, :], c2)
 
-        return jax.lax.fori_loop(first, last, tile, c)
+        return jax.lax.fori_loop(first, last, key_tile, c)
 
     return jax.lax.fori_loop(0, ranges_ref.shape[1], one_range, carry)
 
 
 def _split_refs(refs, st):
-    """(selection refs, segment ids ref or None, the rest) of a kernel's trailing refs."""
+    """(selection refs, segment ids ref or None, the rest) of a forward / dQ kernel's trailing refs."""
     refs = list(refs)
-    sel = [refs.pop(0)] if st.ranges else [refs.pop(0), refs.pop(0)]
+    sel = [refs.pop(0)] if st.ranges else [refs.pop(0), refs.pop(0), refs.pop(0)]
     seg = refs.pop(0) if st.has_segments else None
     return sel, seg, refs
 
 
+def _tile_mask(st, tile, start, extra, seg_ref):
+    cols = (start + jnp.arange(st.block_size))[None, :]
+    kv_seg = seg_ref[pl.ds(start, st.block_size)][None, :] if st.has_segments else None
+    return _mask(st, tile.pos, cols, tile.q_seg, kv_seg) & extra
+
+
 # ----------------------------------------------------------------------------------------------
-# Forward: one program per (query tokens, batch, kv head); per token, the group's heads are the
-# rows and the token's key blocks are walked with an online softmax (FA2 Alg. 1 on a block list).
+# Forward: one program per (T query tokens, batch, kv head); the tile's rows are the tokens x the
+# group's heads, and the walk visits every block some token selected once (FA2 Alg. 1 on a block
+# list, online softmax; rows whose token did not select a block are masked there).
 # ----------------------------------------------------------------------------------------------
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, st: _Static):
     sel, seg_ref, (o_ref, m2_ref, inv_l_ref, lse_ref) = _split_refs(refs, st)
-    tokens, head_dim = q_ref.shape[0], q_ref.shape[-1]
-    width = st.block_size
-    base = pl.program_id(0) * tokens
+    tile = _Tile(st, q_ref.shape[0], seg_ref)
+    head_dim = q_ref.shape[-1]
+    q = tile.load(q_ref)  # [rows, D]
 
-    def token(t, _):
-        pos = base + t
-        q = _spread(q_ref[t], st)  # [rows, D]
-        q_seg = seg_ref[pos] if st.has_segments else None
+    def body(start, extra, carry):
+        m, l, acc = carry
+        keys = pl.ds(start, st.block_size)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        s = _dot(q, k, st, trans_b=True) * (st.scale * LOG2E)
+        s = jnp.where(_tile_mask(st, tile, start, extra, seg_ref), s, -jnp.inf)
+        # online softmax update; a row that has seen only masked keys keeps m = -inf and its
+        # exponent uses 0 instead, so its p are exp2(-inf) = 0, never NaN
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, st)
+        return m_new, l, acc
 
-        def body(start, lo, hi, carry):
-            m, l, acc = carry
-            tile = pl.ds(start, width)
-            k, v = k_ref[tile, :], v_ref[tile, :]
-            s = _dot(q, k, st, trans_b=True) * (st.scale * LOG2E)
-            cols = start + jnp.arange(width)
-            kv_seg = seg_ref[tile] if st.has_segments else None
-            s = jnp.where(_mask(st, pos, cols, q_seg, kv_seg, lo, hi)[None, :], s, -jnp.inf)
-            # online softmax update; a row that has seen only masked keys keeps m = -inf and its
-            # exponent uses 0 instead, so its p are exp2(-inf) = 0, never NaN
-            m_new = jnp.maximum(m, s.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m - m_safe)
-            p = jnp.exp2(s - m_safe[:, None])
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, st)
-            return m_new, l, acc
-
-        carry = (jnp.full((st.rows,), -jnp.inf, jnp.float32), jnp.zeros((st.rows,), jnp.float32),
-                 jnp.zeros((st.rows, head_dim), jnp.float32))
-        m, l, acc = _walk(st, t, sel, body, carry)
-        empty = l == 0.0  # nothing visible: output 0, lse -inf
-        inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-        o_ref[t] = _fold(acc * inv_l[:, None], st).astype(o_ref.dtype)
-        # for the backward: P = exp2(s2 - m2) * inv_l (m2 = +inf on empty rows: P = 0)
-        m2_ref[t] = _fold(jnp.where(empty, jnp.inf, m), st)
-        inv_l_ref[t] = _fold(inv_l, st)
-        lse_ref[t] = _fold(jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) / LOG2E), st)
-        return 0
-
-    jax.lax.fori_loop(0, tokens, token, 0)
+    carry = (jnp.full((tile.rows,), -jnp.inf, jnp.float32), jnp.zeros((tile.rows,), jnp.float32),
+             jnp.zeros((tile.rows, head_dim), jnp.float32))
+    m, l, acc = _walk(st, tile, sel, body, carry)
+    empty = l == 0.0  # nothing visible: output 0, lse -inf
+    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+    tile.store(o_ref, acc * inv_l[:, None])
+    # for the backward: P = exp2(s2 - m2) * inv_l (m2 = +inf on empty rows: P = 0)
+    tile.store(m2_ref, jnp.where(empty, jnp.inf, m))
+    tile.store(inv_l_ref, inv_l)
+    tile.store(lse_ref, jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) / LOG2E))
 
 
-def _sel_specs(st, sel, tokens):
-    """BlockSpecs of the selection arrays for a grid (token tile i, batch b, kv head h)."""
+def _sel_args(st, sel, tokens):
+    """(BlockSpecs, arrays) of the selection for a grid (token tile i, batch b, kv head h): the
+    union of the tile's blocks (lists) or its token's ranges."""
     if st.ranges:
         r = sel[0].shape[3]
-        return [pl.BlockSpec((None, tokens, None, r, 2), lambda i, b, h: (b, i, h, 0, 0))]
-    n = sel[0].shape[3]
-    return [pl.BlockSpec((None, tokens, None, n), lambda i, b, h: (b, i, h, 0)),
-            pl.BlockSpec((None, tokens, None), lambda i, b, h: (b, i, h))]
+        return [pl.BlockSpec((None, 1, None, r, 2), lambda i, b, h: (b, i, h, 0, 0))], list(sel)
+    union, member, counts = plan.tile_union(sel[0], tokens)
+    size, programs = union.shape[3], union.shape[1]
+    list_spec = pl.BlockSpec((None, None, None, size), lambda i, b, h: (b, i, h, 0))
+    return [list_spec, list_spec, pl.BlockSpec((None, None, programs), lambda i, b, h: (b, h, 0))], \
+        [union, member, counts]
 
 
 def _seg_specs(st, seg):
@@ -236,11 +295,17 @@ def _seg_specs(st, seg):
     return [pl.BlockSpec((None, st.length), lambda *g: (g[1], 0))], [seg]
 
 
+def _tokens(st, tokens):
+    """Tokens per forward / dQ program: one with ranges (each token its own ranges)."""
+    return 1 if st.ranges else tokens
+
+
 def _fwd_call(st: _Static, q, k, v, sel, seg):
     """q [B, L, Hkv, G, D] -> out (same), m2, inv_l, lse [B, Hkv, L, G] fp32."""
     batch, length, kv_heads, group, head_dim = q.shape
-    tokens = st.blocks.tokens
+    tokens = _tokens(st, st.blocks.tokens)
     seg_specs, seg_args = _seg_specs(st, seg)
+    sel_specs, sel_args = _sel_args(st, sel, tokens)
     q_spec = pl.BlockSpec((None, tokens, None, group, head_dim), lambda i, b, h: (b, i, h, 0, 0))
     kv_spec = pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, h, 0))
     stat_spec = pl.BlockSpec((None, None, tokens, group), lambda i, b, h: (b, h, i, 0))
@@ -248,12 +313,12 @@ def _fwd_call(st: _Static, q, k, v, sel, seg):
     return pl.pallas_call(
         functools.partial(_fwd_kernel, st=st),
         grid=(length // tokens, batch, kv_heads),  # tokens fastest: neighbours share K/V in L2
-        in_specs=[q_spec, kv_spec, kv_spec, *_sel_specs(st, sel, tokens), *seg_specs],
+        in_specs=[q_spec, kv_spec, kv_spec, *sel_specs, *seg_specs],
         out_specs=[q_spec, stat_spec, stat_spec, stat_spec],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), stat_shape, stat_shape, stat_shape],
         compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps, num_stages=st.blocks.num_stages),
         interpret=st.interpret, name="nsa_selection_fwd",
-    )(q, k, v, *sel, *seg_args)
+    )(q, k, v, *sel_args, *seg_args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,35 +327,22 @@ def _fwd_call(st: _Static, q, k, v, sel, seg):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs, st: _Static):
-    """One program per (query tokens, batch, kv head): the forward's walk, accumulating dQ."""
+    """One program per (T query tokens, batch, kv head): the forward's walk, accumulating dQ."""
     sel, seg_ref, (dq_ref,) = _split_refs(refs, st)
-    tokens, head_dim = q_ref.shape[0], q_ref.shape[-1]
-    width = st.block_size
-    base = pl.program_id(0) * tokens
+    tile = _Tile(st, q_ref.shape[0], seg_ref)
+    q, do = tile.load(q_ref), tile.load(do_ref)
+    m2, inv_l, delta = (tile.load(r)[:, None] for r in (m2_ref, inv_l_ref, delta_ref))
 
-    def token(t, _):
-        pos = base + t
-        q, do = _spread(q_ref[t], st), _spread(do_ref[t], st)
-        m2, inv_l, delta = (_spread(r[t], st)[:, None] for r in (m2_ref, inv_l_ref, delta_ref))
-        q_seg = seg_ref[pos] if st.has_segments else None
+    def body(start, extra, dq):
+        keys = pl.ds(start, st.block_size)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        s = _dot(q, k, st, trans_b=True) * (st.scale * LOG2E)
+        p = jnp.where(_tile_mask(st, tile, start, extra, seg_ref), jnp.exp2(s - m2) * inv_l, 0.0)
+        ds = p * (_dot(do, v, st, trans_b=True) - delta)
+        return dq + _dot(ds.astype(k.dtype), k, st)
 
-        def body(start, lo, hi, dq):
-            tile = pl.ds(start, width)
-            k, v = k_ref[tile, :], v_ref[tile, :]
-            s = _dot(q, k, st, trans_b=True) * (st.scale * LOG2E)
-            cols = start + jnp.arange(width)
-            kv_seg = seg_ref[tile] if st.has_segments else None
-            mask = _mask(st, pos, cols, q_seg, kv_seg, lo, hi)[None, :]
-            p = jnp.where(mask, jnp.exp2(s - m2) * inv_l, 0.0)
-            dp = _dot(do, v, st, trans_b=True)
-            ds = p * (dp - delta)
-            return dq + _dot(ds.astype(k.dtype), k, st)
-
-        dq = _walk(st, t, sel, body, jnp.zeros((st.rows, head_dim), jnp.float32))
-        dq_ref[t] = _fold(dq * st.scale, st).astype(dq_ref.dtype)
-        return 0
-
-    jax.lax.fori_loop(0, tokens, token, 0)
+    dq = _walk(st, tile, sel, body, jnp.zeros((tile.rows, q_ref.shape[-1]), jnp.float32))
+    tile.store(dq_ref, dq * st.scale)
 
 
 def _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry):
@@ -307,36 +359,89 @@ def _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry):
 
 def _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref):
     """Token t's group rows spread to the tile (the copies zeroed through inv_l)."""
-    q, do = _spread(q_ref[t], st), _spread(do_ref[t], st)
-    m2, inv_l, delta = (_spread(r[t], st) for r in (m2_ref, inv_l_ref, delta_ref))
+    q, do = _spread(q_ref[t], st.rows), _spread(do_ref[t], st.rows)
+    m2, inv_l, delta = (_spread(r[t], st.rows) for r in (m2_ref, inv_l_ref, delta_ref))
     if st.rows != st.group:
         inv_l = jnp.where(jnp.arange(st.rows) < st.group, inv_l, 0.0)
     return q, do, m2, inv_l, delta
 
 
-def _dkdv_lists_kernel(tokens_ref, offsets_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref,
-                       *refs, st: _Static):
-    """One program per (key block, batch, kv head): walks the tokens that selected the block."""
+def _dkdv_lists_kernel(item_block_ref, item_lo_ref, item_hi_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, m2_ref,
+                       inv_l_ref, delta_ref, *refs, st: _Static):
+    """One program per (work item, batch, kv head): an item is one key block and a chunk of the
+    tokens that selected it (`_work_items`); writes the chunk's dK/dV (fp32) for `_sum_items`."""
     seg_ref = refs[0] if st.has_segments else None
     dk_ref, dv_ref = refs[-2:]
-    width, head_dim = k_ref.shape
-    j = pl.program_id(0)
-    start = j * width
-    k, v = k_ref[...], v_ref[...]
-    cols = (start + jnp.arange(width))
-    kv_seg = seg_ref[pl.ds(start, width)] if st.has_segments else None
+    width, head_dim = dk_ref.shape
+    w = pl.program_id(0)
+    start = pl.multiple_of(item_block_ref[w] * width, width)
+    tile = pl.ds(start, width)
+    k, v = k_ref[tile, :], v_ref[tile, :]
+    cols = start + jnp.arange(width)
+    kv_seg = seg_ref[tile] if st.has_segments else None
+    lo, hi = item_lo_ref[w], item_hi_ref[w]
+    step_tokens = st.blocks.tokens_dkdv
 
-    def step(i, carry):
-        t = tokens_ref[i]
-        rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
-        q_seg = seg_ref[t] if st.has_segments else None
-        mask = _mask(st, t, cols, q_seg, kv_seg)[:, None]
-        return _dkdv_tile(st, k, v, *rows, mask, carry)
+    if step_tokens == 1:
+        def step(i, carry):
+            t = tokens_ref[lo + i]
+            rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
+            q_seg = seg_ref[t] if st.has_segments else None
+            mask = _mask(st, t, cols, q_seg, kv_seg)[:, None]
+            return _dkdv_tile(st, k, v, *rows, mask, carry)
+    else:
+        rows = step_tokens * st.group
+        spread = lambda x: jnp.broadcast_to(x[:, None], (step_tokens, st.group)).reshape(rows)
+
+        def step(i, carry):  # tokens lo + i n .. lo + i n + n - 1 of the list, those from hi on masked
+            first = lo + i * step_tokens
+            tok = tokens_ref[pl.ds(first, step_tokens)]  # the list is padded: never read past its end
+            q = q_ref[tok].reshape(rows, head_dim)  # the tokens' group rows, gathered
+            do = do_ref[tok].reshape(rows, head_dim)
+            m2, inv_l, delta = (r[tok].reshape(rows) for r in (m2_ref, inv_l_ref, delta_ref))
+            inv_l = jnp.where(spread(first + jnp.arange(step_tokens) < hi), inv_l, 0.0)  # P = 0 there
+            q_seg = spread(seg_ref[tok])[None, :] if st.has_segments else None
+            mask = _mask(st, spread(tok)[None, :], cols[:, None], q_seg,
+                         kv_seg[:, None] if st.has_segments else None)
+            return _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry)
 
     carry = (jnp.zeros((width, head_dim), jnp.float32),) * 2
-    dk, dv = jax.lax.fori_loop(offsets_ref[j], offsets_ref[j + 1], step, carry)
-    dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
+    dk, dv = jax.lax.fori_loop(0, (hi - lo + step_tokens - 1) // step_tokens, step, carry)
+    dk_ref[...] = dk * st.scale
+    dv_ref[...] = dv
+
+
+def _sum_items_kernel(item_start_ref, item_count_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref):
+    """One program per (key block, batch, kv head): its items' dK/dV summed in item order
+    (deterministic)."""
+    j = pl.program_id(0)
+    first = item_start_ref[j]
+
+    def add(w, carry):
+        return carry[0] + dk_part_ref[w], carry[1] + dv_part_ref[w]
+
+    zero = jnp.zeros(dk_ref.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(first, first + item_count_ref[j], add, (zero, zero))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _work_items(offsets, num_blocks: int, chunk: int, num_items: int):
+    """Split every key block's token list (offsets [B, Hkv, nb + 1]) into chunks of at most
+    `chunk` tokens, at least one per block -> (item block, item lo, item hi [B, Hkv, W]; first item
+    and item count per block [B, Hkv, nb]); W = num_items bounds the count (items past the last
+    are empty)."""
+    counts = offsets[..., 1:] - offsets[..., :-1]
+    per_block = jnp.maximum((counts + chunk - 1) // chunk, 1)
+    first = jnp.cumsum(per_block, axis=-1, dtype=jnp.int32) - per_block
+    items = jnp.arange(num_items, dtype=jnp.int32)
+    search = jax.vmap(jax.vmap(lambda f: jnp.searchsorted(f, items, side="right")))
+    block = jnp.clip(search(first).astype(jnp.int32) - 1, 0, num_blocks - 1)
+    base = jnp.take_along_axis(offsets[..., :-1], block, -1)
+    end = jnp.take_along_axis(offsets[..., 1:], block, -1)
+    lo = jnp.minimum(base + (items[None, None, :] - jnp.take_along_axis(first, block, -1)) * chunk, end)
+    hi = jnp.minimum(lo + chunk, end)
+    return block, lo, hi, first, per_block
 
 
 def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs,
@@ -379,45 +484,66 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
     seg_specs, seg_args = _seg_specs(st, seg)
 
     # dQ: the forward's tiling
-    tokens = st.blocks.tokens_dq
+    tokens = _tokens(st, st.blocks.tokens_dq)
+    sel_specs, sel_args = _sel_args(st, sel, tokens)
     q_spec = pl.BlockSpec((None, tokens, None, group, head_dim), lambda i, b, h: (b, i, h, 0, 0))
     kv_spec = pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, h, 0))
     stat_spec = pl.BlockSpec((None, None, tokens, group), lambda i, b, h: (b, h, i, 0))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=st),
         grid=(length // tokens, batch, kv_heads),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, stat_spec,
-                  *_sel_specs(st, sel, tokens), *seg_specs],
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, stat_spec, *sel_specs, *seg_specs],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dq",
-    )(q, k, v, do, m2, inv_l, delta, *sel, *seg_args)
+    )(q, k, v, do, m2, inv_l, delta, *sel_args, *seg_args)
 
-    # dK/dV: one program per key block; the group rows of the whole sequence are gathered per token
     q_all = pl.BlockSpec((None, length, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
     stat_all = pl.BlockSpec((None, None, length, group), lambda j, b, h: (b, h, 0, 0))
     kv_block = pl.BlockSpec((None, width, None, head_dim), lambda j, b, h: (b, j, h, 0))
-    if st.ranges:
+    kv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if st.ranges:  # dK/dV: one program per key tile, walking the tokens that may see it
         r = sel[0].shape[3]
-        plan_specs = [pl.BlockSpec((None, length, None, r, 2), lambda j, b, h: (b, 0, h, 0, 0))]
-        plan_args = list(sel)
-        kernel = _dkdv_ranges_kernel
-    else:
-        num_blocks = length // width
-        tokens_list, offsets = plan.transpose_plan(sel[0][:, :st.seq_len], num_blocks)
-        plan_specs = [pl.BlockSpec((None, None, tokens_list.shape[2]), lambda j, b, h: (b, h, 0)),
-                      pl.BlockSpec((None, None, num_blocks + 1), lambda j, b, h: (b, h, 0))]
-        plan_args = [tokens_list, offsets]
-        kernel = _dkdv_lists_kernel
-    kv_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
-    dk, dv = pl.pallas_call(
-        functools.partial(kernel, st=st),
-        grid=(length // width, batch, kv_heads),
-        in_specs=[*plan_specs, q_all, kv_block, kv_block, q_all, stat_all, stat_all, stat_all, *seg_specs],
-        out_specs=[kv_block, kv_block],
-        out_shape=[kv_shape, jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        ranges_spec = pl.BlockSpec((None, length, None, r, 2), lambda j, b, h: (b, 0, h, 0, 0))
+        dk, dv = pl.pallas_call(
+            functools.partial(_dkdv_ranges_kernel, st=st),
+            grid=(length // width, batch, kv_heads),
+            in_specs=[ranges_spec, q_all, kv_block, kv_block, q_all, stat_all, stat_all, stat_all, *seg_specs],
+            out_specs=[kv_block, kv_block], out_shape=kv_shapes,
+            compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv_ranges",
+        )(*sel, q, k, v, do, m2, inv_l, delta, *seg_args)
+        return dq, dk, dv
+
+    # dK/dV of the block lists: the transpose plan, cut into work items of at most chunk_dkdv
+    # tokens; one program per item writes its partial dK/dV, a second kernel sums them per block
+    num_blocks = length // width
+    chunk = st.blocks.chunk_dkdv
+    tokens_list, offsets = plan.transpose_plan(sel[0][:, :st.seq_len], num_blocks)
+    tokens_list = padding.pad_axis(tokens_list, 2, tokens_list.shape[2] + st.blocks.tokens_dkdv)
+    num_items = num_blocks + pl.cdiv(tokens_list.shape[2], chunk)
+    item_block, item_lo, item_hi, item_first, item_count = _work_items(offsets, num_blocks, chunk, num_items)
+    item_spec = pl.BlockSpec((None, None, num_items), lambda w, b, h: (b, h, 0))
+    kv_all = pl.BlockSpec((None, length, None, head_dim), lambda w, b, h: (b, 0, h, 0))
+    part_spec = pl.BlockSpec((None, None, None, width, head_dim), lambda w, b, h: (b, h, w, 0, 0))
+    part_shape = jax.ShapeDtypeStruct((batch, kv_heads, num_items, width, head_dim), jnp.float32)
+    dk_part, dv_part = pl.pallas_call(
+        functools.partial(_dkdv_lists_kernel, st=st),
+        grid=(num_items, batch, kv_heads),
+        in_specs=[item_spec, item_spec, item_spec,
+                  pl.BlockSpec((None, None, tokens_list.shape[2]), lambda w, b, h: (b, h, 0)),
+                  q_all, kv_all, kv_all, q_all, stat_all, stat_all, stat_all, *seg_specs],
+        out_specs=[part_spec, part_spec], out_shape=[part_shape, part_shape],
         compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv",
-    )(*plan_args, q, k, v, do, m2, inv_l, delta, *seg_args)
+    )(item_block, item_lo, item_hi, tokens_list, q, k, v, do, m2, inv_l, delta, *seg_args)
+    block_spec = pl.BlockSpec((None, None, num_blocks), lambda j, b, h: (b, h, 0))
+    parts_spec = pl.BlockSpec((None, None, num_items, width, head_dim), lambda j, b, h: (b, h, 0, 0, 0))
+    dk, dv = pl.pallas_call(
+        _sum_items_kernel,
+        grid=(num_blocks, batch, kv_heads),
+        in_specs=[block_spec, block_spec, parts_spec, parts_spec],
+        out_specs=[kv_block, kv_block], out_shape=kv_shapes,
+        compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv_sum",
+    )(item_first, item_count, dk_part, dv_part)
     return dq, dk, dv
 
 
@@ -465,6 +591,10 @@ def selection_pallas(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=No
     group = num_heads // kv_heads
     group_pad, head_pad = pow2_at_least(group, 1), pow2_at_least(head_dim)
     config = config or default_block_sizes(head_pad, interpret, q.dtype)
+    auto = tokens_for_group(group_pad, interpret)
+    config = dataclasses.replace(config, tokens=config.tokens or auto, tokens_dq=config.tokens_dq or auto)
+    if config.tokens_dkdv > 1:  # gathered rows fill at least the smallest dot
+        config = dataclasses.replace(config, tokens_dkdv=max(config.tokens_dkdv, MIN_BLOCK // group_pad))
     use_ranges = ranges is not None
     width = config.block_k_ranges if use_ranges else block_size
     tile = max(width, config.tokens, config.tokens_dq)

@@ -21,6 +21,12 @@ import torch.nn.functional as F
 from attn_spec import nsa as spec
 
 
+def zeros_like_connected(x):
+    """Zeros shaped like x that autograd still connects to x (zero gradient), whatever x holds."""
+    return torch.where(torch.zeros((), dtype=torch.bool, device=x.device), x, torch.zeros((), dtype=x.dtype,
+                                                                                          device=x.device))
+
+
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -36,6 +42,8 @@ def masked_attention(q, k, v, vis, scale: float):
     Hkv = k.shape[2]
     G = Hq // Hkv
     stat = _stat_dtype(q.dtype)
+    if k.shape[1] == 0:  # no keys (no complete compression block yet): nothing is visible
+        return zeros_like_connected(q), torch.full((B, Hq, Sq), float("-inf"), dtype=stat, device=q.device)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     # zero what no row sees (garbage must not reach other rows through 0 * x)
     key_seen = vis.any(2).transpose(1, 2)[..., None]  # [B, Sk, Hkv, 1]
@@ -79,12 +87,13 @@ def canonical_blocks(block_indices, block_counts, block_size: int, causal: bool,
     srt = torch.sort(torch.where(ok, idx, big), dim=-1).values
     repeat = torch.zeros_like(ok)
     repeat[..., 1:] = srt[..., 1:] == srt[..., :-1]
-    return torch.where((srt == big) | repeat, -1, srt).to(torch.int32)
+    srt = torch.sort(torch.where(repeat, big, srt), dim=-1).values  # repeats to the end, with the ignored
+    return torch.where(srt == big, -1, srt).to(torch.int32)
 
 
 def canonical_ranges(ranges, causal: bool, seq_len: int):
     """int64 [B, S, Hkv, R, 2]: disjoint ranges with the union of `ranges` (clipped to [0, S) and,
-    if causal, to keys <= t), sorted by start; empty ranges are (0, 0)."""
+    if causal, to keys <= t), the non-empty ones first, sorted by start; empty ranges are (0, 0)."""
     r = ranges.to(torch.int64)
     S = r.shape[1]
     start, end = r[..., 0].clamp(0, seq_len), r[..., 1].clamp(0, seq_len)
@@ -100,11 +109,15 @@ def canonical_ranges(ranges, causal: bool, seq_len: int):
     prev = torch.cat([torch.zeros_like(prev[..., :1]), prev[..., :-1]], dim=-1)
     start = torch.maximum(start, prev)
     keep = start < end
+    # ranges a lower one covers became empty: the non-empty ones first again (the kernels loop over those)
+    order = torch.sort(torch.where(keep, start, seq_len), dim=-1, stable=True).indices
+    start, end, keep = (x.gather(-1, order) for x in (start, end, keep))
     return torch.stack([torch.where(keep, start, 0), torch.where(keep, end, 0)], dim=-1)
 
 
 def blocks_to_ranges(blocks, block_size: int, causal: bool, seq_len: int):
-    """Canonical block lists int [B, S, Hkv, n] -> disjoint ranges int64 [B, S, Hkv, n, 2] (-1: (0, 0))."""
+    """Canonical block lists int [B, S, Hkv, n] (ascending, -1 last) -> disjoint ranges int64
+    [B, S, Hkv, n, 2], the non-empty ones first (-1: (0, 0))."""
     j = blocks.to(torch.int64)
     start = j * block_size
     end = torch.clamp(start + block_size, max=seq_len)

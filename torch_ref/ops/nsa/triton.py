@@ -11,13 +11,15 @@ ranges (`reference.canonical_ranges` / `blocks_to_ranges`: block lists become on
 causality is folded in as end <= t + 1). One program per (query token, kv head, batch row): the
 GQA group's query heads are the tile's rows (padded to a power of two >= 16, the tl.dot minimum,
 for any ratio, 1 included), and the program walks its ranges in key tiles of BLOCK_N with an online
-softmax in fp32 (base 2; the element mask is `key < end` and the segment ids). The dQ kernel walks
-the same tiles. The dK/dV kernel runs over a transpose plan (`_dkv_plan`): for every (batch row,
-kv head, aligned key tile) the pieces (query token, [lo, hi)) of the ranges that touch it, sorted by
-token (a sort of (tile, token, range) keys with torch ops); the rows of one step are TOKENS_DKV
-tokens times the padded group. Long lists (block 0 is every token's) are cut into chunks of
-CHUNK_DKV pieces, one program each, whose fp32 partial dk / dv a second kernel sums in chunk order:
-deterministic, no atomics.
+softmax in fp32 (base 2; the element mask is `key < end` and the segment ids). The non-empty ranges
+come first and a per-row count bounds the loop; blocks that fit one tile (ONE_TILE) make it one flat
+loop. The dQ kernel walks the same tiles. The dK/dV kernel runs over a transpose plan
+(`_dkv_plan`): for every (batch row, kv head, aligned key tile) the pieces (query token, [lo, hi))
+of the ranges that touch it, sorted by token (a sort of (tile, token, range) keys with torch ops);
+the rows of one step are `tokens_dkv` tokens times the padded group. Long lists (block 0 is every
+token's) are cut into chunks of `chunk_dkv` pieces, one program each, whose fp32 partial dk / dv a
+second kernel sums in chunk order: deterministic, no atomics. Offsets along the sequence are int32
+within a batch row and head (S * H * D < 2^31), as in the softmax kernels.
 
 Row statistics as the softmax kernels (`torch_ref.ops.softmax.triton`): m2 (base-2 row max) and
 inv_l = 1 / l, [B, Hq, S] fp32; the backward recomputes P = 2^(s2 - m2) inv_l; rows that see no key
@@ -38,6 +40,7 @@ from attn_spec import nsa as spec
 
 from ..common.triton_tiles import INTERPRETED, block_d, device_ctx, precision
 from . import reference
+from .reference import zeros_like_connected
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -60,8 +63,8 @@ class NSABlockSizes:
       group of up to 16 (rows = tokens_dkv * 16; larger groups take proportionally fewer tokens);
       chunk_dkv: the most plan pieces one dK/dV program takes (longer lists are split; their
       partials are summed in order); query_chunk: query tokens per step of the block selection
-      (bounds its int64 top-n keys [B, chunk, Hkv, Nsel]); block_imp: the importance kernel's query
-      tile (and its compression / selection tile)."""
+      (bounds its int64 top-n keys [B, chunk, Hkv, Nsel]); block_imp, num_warps_imp: the importance
+      kernel's query tile (and its compression / selection tile) and warps."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -73,6 +76,7 @@ class NSABlockSizes:
     num_stages_bwd: int = 2
     query_chunk: int = 8192
     block_imp: int = 64
+    num_warps_imp: int = 8
 
     def __post_init__(self):
         for name in ("block_n", "block_n_dkv", "tokens_dkv", "block_imp"):
@@ -81,24 +85,27 @@ class NSABlockSizes:
                 raise ValueError(f"NSABlockSizes.{name} must be a power of two, got {value!r}")
         if min(self.block_n, self.block_n_dkv, self.block_imp) < 16:
             raise ValueError(f"NSABlockSizes.block_n, block_n_dkv and block_imp must be >= 16 (tl.dot), got {self}")
-        for name in ("num_warps", "num_stages", "chunk_dkv", "num_warps_bwd", "num_stages_bwd", "query_chunk"):
+        for name in ("num_warps", "num_stages", "chunk_dkv", "num_warps_bwd", "num_stages_bwd", "query_chunk",
+                     "num_warps_imp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"NSABlockSizes.{name} must be an int >= 1, got {value!r}")
 
 
 def default_nsa_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> NSABlockSizes:
-    """GPU: key tiles of 64 (the paper's and fla's selection block), 4 tokens a dK/dV step (64 rows
-    for a group of 16). The interpreter: small tiles and chunks, so CPU tests cross tile and chunk
-    edges."""
+    """GPU: key tiles of 64 (the paper's and fla's selection block). The backward and the importance
+    run 8 warps and the dK/dV kernel 2 tokens a step (32 rows for a group of 16): the smallest
+    configurations that compile without register spills for sm_90 at head dim 128 (16-bit). Wide
+    tiles (fp32, or a head dim past 128) halve the key and query tiles. The interpreter: small tiles
+    and chunks, so CPU tests cross tile and chunk edges."""
     if not on_gpu:
         return NSABlockSizes(block_n=16, num_warps=4, num_stages=1, block_n_dkv=16, tokens_dkv=2, chunk_dkv=8,
-                             num_warps_bwd=4, num_stages_bwd=1, query_chunk=24, block_imp=16)
-    wide = dtype == torch.float32 or block_d(head_dim) > 128
-    # wide (fp32 tiles, or a head dim past 128): half the key tiles, or k, v, dk, dv spill registers
-    return NSABlockSizes(block_n=64 if not wide else 32, num_warps=4, num_stages=2, block_n_dkv=64 if not wide else 32,
-                         tokens_dkv=4 if not wide else 2, chunk_dkv=1024, num_warps_bwd=4, num_stages_bwd=2,
-                         query_chunk=8192, block_imp=64)
+                             num_warps_bwd=4, num_stages_bwd=1, query_chunk=24, block_imp=16, num_warps_imp=4)
+    if dtype != torch.float32 and block_d(head_dim) <= 128:
+        return NSABlockSizes(block_n=64, num_warps=4, num_stages=2, block_n_dkv=64, tokens_dkv=2, chunk_dkv=1024,
+                             num_warps_bwd=8, num_stages_bwd=2, query_chunk=8192, block_imp=64, num_warps_imp=8)
+    return NSABlockSizes(block_n=32, num_warps=8, num_stages=2, block_n_dkv=32, tokens_dkv=1, chunk_dkv=1024,
+                         num_warps_bwd=8, num_stages_bwd=2, query_chunk=8192, block_imp=32, num_warps_imp=8)
 
 
 def _rows(group: int) -> int:
@@ -109,14 +116,50 @@ def _rows(group: int) -> int:
 # Selection kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
+def _key_tile(k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd, svs, svd,
+              HAS_SEGMENTS: tl.constexpr, V_TRANS: tl.constexpr):
+    """Keys [start, start + BLOCK_N) below hi (and in the query's segment): (kT [D, N], v [N, D] or
+    vT [D, N] if V_TRANS, the column mask)."""
+    cols = start + n
+    c_ok = cols < hi
+    if HAS_SEGMENTS:
+        c_ok = c_ok & (tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0) == qs)
+    mask = c_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + cols[:, None] * sks + d[None, :] * skd, mask=mask, other=0.0)
+    v = tl.load(v_base + cols[:, None] * svs + d[None, :] * svd, mask=mask, other=0.0)
+    if V_TRANS:
+        v = tl.trans(v)
+    return tl.trans(k), v, c_ok
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd, svs, svd,
+              score_mul, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+    kT, v, c_ok = _key_tile(k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd, svs, svd,
+                            HAS_SEGMENTS, False)
+    s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
+    s2 = tl.where(c_ok[None, :], s2, float("-inf"))
+    # online softmax update (base 2); rows with nothing visible yet shift by a safe 0
+    m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s2 - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, COUNTS, SEG,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
-                srb, srs, srh, srr, src, ssb, sss,
-                S, Hq, R, GROUP, score_mul,
+                srb, srs, srh, srr, src, scb, scs, sch, ssb, sss,
+                S, Hq, GROUP, score_mul,
                 HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
-    """grid (S, Hkv, B): query token t of kv head g. Writes O [B, S, Hq, D] at the group's heads and
-    LSE, M2, INV_L [B, Hq, S]."""
+                ONE_TILE: tl.constexpr, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (S, Hkv, B): query token t of kv head g over its COUNTS[b, t, g] non-empty ranges (they
+    come first). ONE_TILE: every range fits one key tile (blocks of at most BLOCK_N): one flat loop
+    the compiler can pipeline. Writes O [B, S, Hq, D] at the group's heads and LSE, M2, INV_L
+    [B, Hq, S]."""
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -137,28 +180,16 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     r_base = RANGES + b * srb + t * srs + g * srh
-    for r in range(R):
+    for r in range(tl.load(COUNTS + b * scb + t * scs + g * sch)):
         lo = tl.load(r_base + r * srr).to(tl.int32)
         hi = tl.load(r_base + r * srr + src).to(tl.int32)
-        for start in range(lo, hi, BLOCK_N):
-            cols = start + n
-            c_ok = cols < hi
-            if HAS_SEGMENTS:
-                c_ok = c_ok & (tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0) == qs)
-            kT = tl.load(k_base + cols[None, :] * sks + d[:, None] * skd, mask=c_ok[None, :] & d_ok[:, None],
-                         other=0.0)
-            v = tl.load(v_base + cols[:, None] * svs + d[None, :] * svd, mask=c_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
-            s2 = tl.where(c_ok[None, :], s2, float("-inf"))
-            # online softmax update (base 2); rows with nothing visible yet shift by a safe 0
-            m_new = tl.maximum(m_i, tl.max(s2, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s2 - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-            m_i = m_new
+        if ONE_TILE:
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, SEG, b, ssb, sss, qs, lo, hi, n, d, d_ok,
+                                      sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d,
+                                          d_ok, sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
     seen = l_i > 0
     inv_l = tl.where(seen, tl.div_rn(1.0, tl.where(seen, l_i, 1.0)), 0.0)
     out = acc * inv_l[:, None]
@@ -171,12 +202,25 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, SEG,
+def _dq_tile(dq, q, do, m2, inv_l, delta, k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd,
+             svs, svd, score_mul, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+    kT, vT, c_ok = _key_tile(k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd, svs, svd,
+                             HAS_SEGMENTS, True)
+    s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
+    p = tl.where(c_ok[None, :], tl.exp2(s2 - m2[:, None]) * inv_l[:, None], 0.0)
+    dp = tl.dot(do, vT, input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, COUNTS, SEG,
                sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod, sdb, sds, sdh, sdd,
-               sgb, sgs, sgh, sgd, srb, srs, srh, srr, src, ssb, sss,
-               S, Hq, R, GROUP, score_mul, scale,
+               sgb, sgs, sgh, sgd, srb, srs, srh, srr, src, scb, scs, sch, ssb, sss,
+               S, Hq, GROUP, score_mul, scale,
                HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               HAS_SEGMENTS: tl.constexpr, HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr):
+               ONE_TILE: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_DLSE: tl.constexpr,
+               PRECISION: tl.constexpr):
     """grid (S, Hkv, B): dQ of query token t at the group's heads, over the forward's tiles.
     delta = rowsum(dO * O) - dlse (stored to DELTA [B, Hq, S] for the dK/dV kernel), dS = P (dP -
     delta), dq = scale dS k."""
@@ -207,23 +251,16 @@ def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, SEG,
         qs = tl.load(SEG + b * ssb + t * sss)
     dq = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     r_base = RANGES + b * srb + t * srs + g * srh
-    for r in range(R):
+    for r in range(tl.load(COUNTS + b * scb + t * scs + g * sch)):
         lo = tl.load(r_base + r * srr).to(tl.int32)
         hi = tl.load(r_base + r * srr + src).to(tl.int32)
-        for start in range(lo, hi, BLOCK_N):
-            cols = start + n
-            c_ok = cols < hi
-            if HAS_SEGMENTS:
-                c_ok = c_ok & (tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0) == qs)
-            kT = tl.load(k_base + cols[None, :] * sks + d[:, None] * skd, mask=c_ok[None, :] & d_ok[:, None],
-                         other=0.0)
-            vT = tl.load(v_base + cols[None, :] * svs + d[:, None] * svd, mask=c_ok[None, :] & d_ok[:, None],
-                         other=0.0)
-            s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
-            p = tl.where(c_ok[None, :], tl.exp2(s2 - m2[:, None]) * inv_l[:, None], 0.0)
-            dp = tl.dot(do, vT, input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
+        if ONE_TILE:
+            dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_base, v_base, SEG, b, ssb, sss, qs, lo, hi, n, d, d_ok,
+                          sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d,
+                              d_ok, sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
     tl.store(DQ + b * sgb + t * sgs + hq[:, None] * sgh + d[None, :] * sgd, (dq * scale).to(DQ.dtype.element_ty),
              mask=rd_ok)
 
@@ -255,6 +292,8 @@ def _dkv_kernel(Q, K, V, DO, M2, INV_L, DELTA, SEG, TOK, LO, HI, CHUNK_TILE, CHU
     ks = 0
     if HAS_SEGMENTS:
         ks = tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0)
+    kT = tl.trans(k)
+    vT = tl.trans(v)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     i = tl.arange(0, TOKENS * BLOCK_G)
@@ -279,10 +318,10 @@ def _dkv_kernel(Q, K, V, DO, M2, INV_L, DELTA, SEG, TOK, LO, HI, CHUNK_TILE, CHU
         if HAS_SEGMENTS:
             qs = tl.load(SEG + b * ssb + tok * sss, mask=p_ok, other=0)
             vis = vis & (qs[:, None] == ks[None, :])
-        s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_mul
+        s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
         p = tl.where(vis, tl.exp2(s2 - m2[:, None]) * inv_l[:, None], 0.0)
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
     out = c * BLOCK_N * BLOCK_D + tl.arange(0, BLOCK_N)[:, None] * BLOCK_D + d[None, :]
@@ -373,24 +412,25 @@ def _tile(config: NSABlockSizes, field: str, block_size):
     return size if block_size is None else max(16, min(size, block_size))
 
 
-def _forward(q, k, v, spans, segment_ids, scale, config, block_size):
+def _forward(q, k, v, spans, counts, segment_ids, scale, config, block_size):
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
     out = torch.empty_like(q)
     lse, m2, inv_l = (torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) for _ in range(3))
     seg, seg_strides = _seg_args(segment_ids, q)
+    tile = _tile(config, "block_n", block_size)
     with device_ctx(q):
         _fwd_kernel[(S, Hkv, B)](
-            q, k, v, out, lse, m2, inv_l, spans, seg, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            *spans.stride(), *seg_strides, S, Hq, spans.shape[3], G, scale * LOG2E,
-            HEAD_DIM=D, BLOCK_G=_rows(G), BLOCK_N=_tile(config, "block_n", block_size), BLOCK_D=block_d(D),
-            HAS_SEGMENTS=segment_ids is not None, PRECISION=precision(q.dtype), num_warps=config.num_warps,
-            num_stages=config.num_stages)
+            q, k, v, out, lse, m2, inv_l, spans, counts, seg, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *spans.stride(), *counts.stride(), *seg_strides, S, Hq, G, scale * LOG2E,
+            HEAD_DIM=D, BLOCK_G=_rows(G), BLOCK_N=tile, BLOCK_D=block_d(D),
+            ONE_TILE=block_size is not None and block_size <= tile, HAS_SEGMENTS=segment_ids is not None,
+            PRECISION=precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
     return out, lse, m2, inv_l
 
 
-def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, segment_ids, scale, config, block_size):
+def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, counts, segment_ids, scale, config, block_size):
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
@@ -409,11 +449,12 @@ def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, segment_ids, scale, conf
     dkp = torch.empty((max(n_chunks, 1), block_n, block_d(D)), dtype=torch.float32, device=q.device)
     dvp = torch.empty_like(dkp)
     with device_ctx(q):
+        tile = _tile(config, "block_n", block_size)
         _dq_kernel[(S, Hkv, B)](
-            q, k, v, out, do, delta if dlse is None else dlse, dq, m2, inv_l, delta, spans, seg, *q.stride(),
-            *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(), *spans.stride(), *seg_strides, S,
-            Hq, spans.shape[3], G, scale * LOG2E, scale, BLOCK_N=_tile(config, "block_n", block_size),
-            HAS_DLSE=dlse is not None, **common)
+            q, k, v, out, do, delta if dlse is None else dlse, dq, m2, inv_l, delta, spans, counts, seg,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(), *spans.stride(),
+            *counts.stride(), *seg_strides, S, Hq, G, scale * LOG2E, scale, BLOCK_N=tile,
+            ONE_TILE=block_size is not None and block_size <= tile, HAS_DLSE=dlse is not None, **common)
         if n_chunks:
             _dkv_kernel[(n_chunks,)](
                 q, k, v, do, m2, inv_l, delta, seg, *pieces, *chunks, dkp, dvp, *q.stride(), *k.stride(),
@@ -421,7 +462,7 @@ def _backward(do, q, k, v, out, m2, inv_l, dlse, spans, segment_ids, scale, conf
                 BLOCK_N=block_n, TOKENS=max(1, config.tokens_dkv * MIN_ROWS // _rows(G)), **common)
         _dkv_sum_kernel[(B * Hkv * nt,)](
             dkp, dvp, tile_chunks, dk, dv, *dk.stride(), *dv.stride(), S, Hkv, nt, HEAD_DIM=D, BLOCK_N=block_n,
-            BLOCK_D=block_d(D), num_warps=4)
+            BLOCK_D=block_d(D), num_warps=8)
     return dq, dk, dv
 
 
@@ -430,31 +471,33 @@ class SelectionFn(torch.autograd.Function):
     both differentiable (a cotangent on lse enters as delta -= dlse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spans, segment_ids, scale, config, block_size):
-        out, lse, m2, inv_l = _forward(q, k, v, spans, segment_ids, scale, config, block_size)
-        ctx.save_for_backward(q, k, v, out, m2, inv_l, spans, segment_ids)
+    def forward(ctx, q, k, v, spans, counts, segment_ids, scale, config, block_size):
+        out, lse, m2, inv_l = _forward(q, k, v, spans, counts, segment_ids, scale, config, block_size)
+        ctx.save_for_backward(q, k, v, out, m2, inv_l, spans, counts, segment_ids)
         ctx.opts = (scale, config, block_size)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, m2, inv_l, spans, segment_ids = ctx.saved_tensors
+        q, k, v, out, m2, inv_l, spans, counts, segment_ids = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, m2, inv_l, dlse, spans, segment_ids, *ctx.opts)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, m2, inv_l, dlse, spans, counts, segment_ids,
+                               *ctx.opts)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def selection(q, k, v, ranges, *, scale: float, segment_ids=None, block_size=None, config: NSABlockSizes = None):
     """(out [B, S, Hq, D], lse [B, Hq, S] fp32) of selection attention over canonical ranges
-    [B, S, Hkv, R, 2] (see `reference.selection`)."""
+    [B, S, Hkv, R, 2] (see `reference.selection`: disjoint, the non-empty ones first)."""
     config = config or default_nsa_block_sizes(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
     B, S, Hq, _ = q.shape
     if q.numel() == 0 or k.shape[2] == 0:
-        return q * 0, torch.full((B, Hq, S), float("-inf"), dtype=torch.float32, device=q.device)
+        return zeros_like_connected(q), torch.full((B, Hq, S), float("-inf"), device=q.device)
     spans = ranges.to(torch.int32).contiguous()
-    ids = None if segment_ids is None else segment_ids.to(torch.int32).contiguous()
-    return SelectionFn.apply(q, k, v, spans, ids, scale, config, block_size)
+    counts = (spans[..., 0] < spans[..., 1]).sum(-1, dtype=torch.int32)  # the non-empty ranges lead
+    ids = None if segment_ids is None else segment_ids.contiguous()  # its own integer dtype: no wrap-around
+    return SelectionFn.apply(q, k, v, spans, counts, ids, scale, config, block_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,7 +522,7 @@ def compression(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, segme
     Nc = k_cmp.shape[1]
     head = block - 1
     if Nc == 0:
-        return q * 0, torch.full((B, Hq, S), float("-inf"), dtype=torch.float32, device=q.device)
+        return zeros_like_connected(q), torch.full((B, Hq, S), float("-inf"), device=q.device)
     rows = Nc * stride  # folded queries: t in [head, head + rows) (the tail past S is padding)
     qf = torch.nn.functional.pad(q[:, head:], (0, 0, 0, 0, 0, rows - (S - head)))
     qf = qf.reshape(B, Nc, stride, Hq, D).transpose(1, 2).reshape(B * stride, Nc, Hq, D)
@@ -646,8 +689,8 @@ def _importance_kernel(Q, KC, LSE, SEG, BLK_SEG, KEYS, t0, C, S, Nc, Nsel, NJ, G
         if HAS_SEGMENTS:
             blk = tl.load(BLK_SEG + b * sbb + i * sbn, mask=i_ok, other=0)
             vis = vis & (blk[None, :] == qs[:, None])
-        kcT = tl.load(KC + b * skb + g * skh + i[None, :] * sks + d[:, None] * skd, mask=i_ok[None, :] & d_ok[:, None],
-                      other=0.0)
+        kcT = tl.trans(tl.load(KC + b * skb + g * skh + i[:, None] * sks + d[None, :] * skd,
+                               mask=i_ok[:, None] & d_ok[None, :], other=0.0))
         psum = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
         for h in range(GROUP):
             hq = g * GROUP + h
@@ -703,6 +746,6 @@ def select_blocks(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: i
                 SELECT=select_block, HEAD_DIM=D, BLOCK_M=config.block_imp,
                 BLOCK_I=block_j if identity else config.block_imp, BLOCK_J=block_j, BLOCK_D=block_d(D),
                 IDENTITY=identity, HAS_SEGMENTS=segment_ids is not None, PRECISION=precision(q.dtype),
-                num_warps=config.num_warps, num_stages=config.num_stages)
+                num_warps=config.num_warps_imp, num_stages=config.num_stages)
             out[:, t0:t0 + C] = _top_n(keys, num_selected)
     return out
