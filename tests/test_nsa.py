@@ -87,10 +87,10 @@ def _messy_indices(rng, batch, seq_len, kv_heads, n, block_size):
 SELECTION = [
     # (batch, seq_len, heads, kv_heads, head_dim, block_size, n)
     pytest.param(1, 37, 4, 2, 16, 16, 3, id="gqa2_s37"),
-    pytest.param(2, 29, 2, 2, 16, 8, 4, id="ratio1_s29"),
+    pytest.param(2, 29, 2, 2, 16, 8, 4, id="ratio1_s29_block8"),  # blocks under 16 keys: walked as ranges
     pytest.param(1, 33, 8, 2, 40, 16, 2, id="gqa4_d40"),
     pytest.param(1, 20, 16, 1, 16, 16, 2, id="ratio16"),
-    pytest.param(1, 23, 6, 2, 16, 8, 3, id="gqa3_not_pow2"),
+    pytest.param(1, 23, 6, 2, 16, 16, 3, id="gqa3_not_pow2"),
 ]
 
 
@@ -108,10 +108,10 @@ def test_selection_lists(batch, seq_len, heads, kv_heads, head_dim, block_size, 
                                     jax_attn.NSABlockSizes(1, 1, 16, 4, 1, 4, 1, 4, 8)], ids=["chunks4", "gather4"])
 def test_selection_dkdv_work_items(config):
     """dK/dV with block 0 selected by every token, cut into chunks of 4 or 8 tokens (many items per
-    block, summed per block), one token or four gathered tokens a step; two tokens per forward
-    program; segment ids."""
+    block, summed per block), one token or four gathered tokens a step; two or one tokens per
+    forward program; segment ids."""
     rng = np.random.default_rng(11)
-    batch, seq_len, heads, kv_heads, head_dim, bs, n = 2, 37, 4, 2, 16, 8, 3
+    batch, seq_len, heads, kv_heads, head_dim, bs, n = 2, 53, 4, 2, 16, 16, 3
     arrays = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
     idx = _messy_indices(rng, batch, seq_len, kv_heads, n, bs)
     idx[..., 1] = 0
@@ -181,7 +181,7 @@ def test_fully_masked_rows_no_nan():
     """Rows whose every entry is ignored (and, with segment ids, rows whose blocks lie in another
     segment): output 0, lse -inf, gradients finite and zero for those rows."""
     rng = np.random.default_rng(4)
-    batch, seq_len, heads, kv_heads, head_dim, bs = 1, 24, 4, 2, 16, 8
+    batch, seq_len, heads, kv_heads, head_dim, bs = 1, 40, 4, 2, 16, 16
     arrays = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
     idx = np.full((batch, seq_len, kv_heads, 2), -1, np.int32)
     idx[:, ::2, :, 0] = np.arange(0, seq_len, 2)[None, :, None] // bs  # even rows see their own block
@@ -198,7 +198,7 @@ def test_fully_masked_rows_no_nan():
 
 def test_deterministic():
     rng = np.random.default_rng(5)
-    batch, seq_len, heads, kv_heads, head_dim, bs, n = 1, 40, 4, 2, 16, 8, 4
+    batch, seq_len, heads, kv_heads, head_dim, bs, n = 1, 40, 4, 2, 16, 16, 3
     arrays = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
     idx = _messy_indices(rng, batch, seq_len, kv_heads, n, bs)
     cts = _cotangents(rng, batch, seq_len, heads, head_dim)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from attn_spec import nsa
 from jax_attn.ops.common import padding

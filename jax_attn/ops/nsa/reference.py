@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_spec import nsa
-from jax_attn.ops.nsa import plan
 
 
 def _accumulate(dtype):
@@ -23,7 +22,7 @@ def masked_attention(q, k, v, mask, scale: float, precision):
     head's query heads) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]); a row with no visible key gives 0
     and lse -inf, zero gradients, no NaN."""
     batch, q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=precision, preferred_element_type=_accumulate(q.dtype))

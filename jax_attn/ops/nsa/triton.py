@@ -595,6 +595,12 @@ def selection_pallas(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=No
     config = dataclasses.replace(config, tokens=config.tokens or auto, tokens_dq=config.tokens_dq or auto)
     if config.tokens_dkdv > 1:  # gathered rows fill at least the smallest dot
         config = dataclasses.replace(config, tokens_dkdv=max(config.tokens_dkdv, MIN_BLOCK // group_pad))
+    if ranges is None and block_size < MIN_BLOCK:
+        # a dot needs 16 keys: lists of smaller blocks are walked as their ranges (disjoint: the
+        # blocks are canonical), in tiles of block_k_ranges
+        start = jnp.where(blocks >= 0, blocks * block_size, 0)
+        ranges = plan.disjoint_ranges(jnp.stack([start, jnp.where(blocks >= 0, start + block_size, 0)], axis=-1),
+                                      seq_len, causal)
     use_ranges = ranges is not None
     width = config.block_k_ranges if use_ranges else block_size
     tile = max(width, config.tokens, config.tokens_dq)

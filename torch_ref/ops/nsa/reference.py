@@ -4,12 +4,14 @@ The golden (run in float64) and `implementation="eager"`. Matmuls run in the inp
 statistics in float32 (float64 for float64 inputs), as `torch_ref.ops.softmax.reference`. Every
 branch is a masked softmax attention over a dense visibility mask built from the definition:
 
-- selection: `selection_mask` from block lists (after `canonical_blocks`) or `ranges_mask` from
-  `[start, end)` key ranges, per (batch, query, kv head);
+- selection: `ranges_mask` over canonical ranges per (batch, query, kv head): block lists through
+  `canonical_blocks` and `blocks_to_ranges`, ranges through `canonical_ranges` (disjoint, the
+  non-empty ones first, causality folded in: both backends read this form);
 - compression: `compression_mask` (block i visible to query t iff `compressed_end(i) <= t`, and,
   with segment ids, iff every key of the block is in t's segment: a block that straddles two
   packed sequences belongs to neither);
-- the top-n rule: `top_n` over importances (`importance`).
+- the top-n rule: `top_n` over importances (`importance`, its scores in the statistics dtype);
+- the gates: `combine` (in the statistics dtype, out in the branches' dtype).
 
 Inputs are assumed validated (`torch_ref.ops.nsa.validation`).
 """
@@ -23,8 +25,8 @@ from attn_spec import nsa as spec
 
 def zeros_like_connected(x):
     """Zeros shaped like x that autograd still connects to x (zero gradient), whatever x holds."""
-    return torch.where(torch.zeros((), dtype=torch.bool, device=x.device), x, torch.zeros((), dtype=x.dtype,
-                                                                                          device=x.device))
+    never = torch.zeros((), dtype=torch.bool, device=x.device)
+    return torch.where(never, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
