@@ -10,6 +10,18 @@ A layer's attention kind and its position scheme are two separate arguments:
   attention="dilated":        `dilated_attention` (LongNet, arXiv 2307.02486) with segment_lengths,
                               dilation_rates (both required), merge ("lse" | "head_groups") and
                               causal; no window, softcap, decay or segment ids.
+  attention="nsa":           `nsa_attention` (Native Sparse Attention, Yuan et al., arXiv 2502.11089),
+                              causal (needs causal=True), segment ids allowed; its configuration
+                              compress_block, compress_stride, select_block, num_selected (None:
+                              the `attn_spec.nsa.NSAConfig` defaults 32, 16, 64, 16), window (here
+                              an int, the sliding branch's length; None: 512; 0: no window
+                              branch), compress ("mlp": the paper's learnable map, one
+                              `CompressParams` MLP of width compress_hidden (None: the head dim)
+                              for k and one for v; "mean": mean pooling) and gate_hidden (None: the
+                              gates are sigmoid(Linear(x)), one per head and branch; an int: a
+                              Linear -> GELU (tanh) -> Linear MLP of that width, then the sigmoid).
+                              The layer is `NativeSparseAttention` (gates and compression maps are
+                              parameters of their own); EncoderBlock(attention="nsa") holds one.
   dropout_rate:               attention dropout (probabilities zeroed after the softmax, the rest
                               scaled by 1 / (1 - rate); the mask of `attn_spec.dropout`), a float in
                               [0, 1), attention="softmax" only. The layers apply it in training
@@ -45,19 +57,25 @@ import dataclasses
 import math
 import numbers
 
-from attn_spec import dilation, orderings
+from attn_spec import dilation, nsa, orderings
 from attn_spec.rope import Rope
 
-ATTENTIONS = ("softmax", "stick_breaking", "dilated")
+ATTENTIONS = ("softmax", "stick_breaking", "dilated", "nsa")
+COMPRESSIONS = ("mlp", "mean")
 POSITIONS = ("none", "absolute", "rope")
 LAYER_NORM_EPS = 1e-5
 _DILATED_ONLY = {"segment_lengths": None, "dilation_rates": None, "merge": "lse"}
+_NSA_ONLY = {"compress_block": None, "compress_stride": None, "select_block": None, "num_selected": None,
+             "compress": None, "compress_hidden": None, "gate_hidden": None}
 # attention kind -> {argument it does not take: the neutral value that argument must keep}
 UNUSED_BY = {
-    "softmax": {"decay": 0.0, "learn_decay": False, **_DILATED_ONLY},
+    "softmax": {"decay": 0.0, "learn_decay": False, **_DILATED_ONLY, **_NSA_ONLY},
     "stick_breaking": {"window": None, "softcap": None, "dropout_rate": 0.0, "ordering": None, "grid": None,
-                       **_DILATED_ONLY},
-    "dilated": {"window": None, "softcap": None, "decay": 0.0, "learn_decay": False, "dropout_rate": 0.0},
+                       **_DILATED_ONLY, **_NSA_ONLY},
+    "dilated": {"window": None, "softcap": None, "decay": 0.0, "learn_decay": False, "dropout_rate": 0.0,
+                **_NSA_ONLY},
+    "nsa": {"softcap": None, "decay": 0.0, "learn_decay": False, "dropout_rate": 0.0, "ordering": None,
+            "grid": None, **_DILATED_ONLY},
 }
 # call arguments an attention kind refuses
 CALL_ARGS_UNUSED_BY = {"stick_breaking": ("segment_ids",), "dilated": ("segment_ids",)}
@@ -149,6 +167,76 @@ def check_dilated_args(segment_lengths, dilation_rates, *, causal=False, merge="
 
 
 @dataclasses.dataclass(frozen=True)
+class NSASpec:
+    """The checked NSA configuration of a layer (see `check_nsa_args`)."""
+
+    compress_block: int
+    compress_stride: int
+    select_block: int
+    num_selected: int
+    window: int
+    compress: str  # "mlp" | "mean"
+    compress_hidden: int | None  # the compression MLP's width ("mlp"), None for "mean"
+    gate_hidden: int | None  # None: one Linear to the gates; else the width of the gate MLP
+
+    def attention_kwargs(self, seq_len: int) -> dict:
+        """The configuration keywords of `nsa_attention` for sequences of seq_len tokens.
+        num_selected is capped at the sequence's selection blocks: where a sequence has fewer,
+        every block a row can see is selected, which is what top-n gives with slots no block
+        fills (`attn_spec.nsa`), and what `nsa_attention` refuses to be asked for explicitly."""
+        return dict(compress_block=self.compress_block, compress_stride=self.compress_stride,
+                    select_block=self.select_block, window=self.window,
+                    num_selected=min(self.num_selected, nsa.selection_count(seq_len, self.select_block)))
+
+    def compress_shapes(self, head_dim: int) -> dict[str, tuple[int, ...]]:
+        """{field of `attn_spec.nsa.CompressParams`: shape} of one compression MLP ({} for "mean")."""
+        if self.compress != "mlp":
+            return {}
+        block, hidden = self.compress_block, self.compress_hidden
+        return {"pos": (block, head_dim), "w1": (block * head_dim, hidden), "b1": (hidden,),
+                "w2": (hidden, head_dim), "b2": (head_dim,)}
+
+    def gate_layers(self, d_model: int, num_heads: int) -> dict[str, tuple[int, int]]:
+        """{name: (in, out)} of the gate's Linear layers: `gate_proj`, or `gate_in`, `gate_out`."""
+        width = len(nsa.BRANCHES) * num_heads
+        if self.gate_hidden is None:
+            return {"gate_proj": (d_model, width)}
+        return {"gate_in": (d_model, self.gate_hidden), "gate_out": (self.gate_hidden, width)}
+
+
+def check_nsa_args(head_dim: int, *, compress_block=None, compress_stride=None, select_block=None,
+                   num_selected=None, window=None, compress=None, compress_hidden=None, gate_hidden=None) -> NSASpec:
+    """Validate an NSA layer configuration -> `NSASpec`; None picks the default (`nsa.NSAConfig`'s
+    sizes, window 512, compress "mlp", compress_hidden = head_dim, a single-Linear gate). The
+    check against the sequence length (num_selected) happens per call, where it is capped."""
+    default = nsa.NSAConfig()
+    pick = lambda value, name: getattr(default, name) if value is None else value
+    block = nsa.check_block("compress_block", pick(compress_block, "compress_block"))
+    stride = nsa.check_block("compress_stride", pick(compress_stride, "compress_stride"))
+    if stride > block:
+        raise ValueError(f"compress_stride ({stride}) must not exceed compress_block ({block}): blocks would "
+                         f"leave keys out")
+    select = nsa.check_block("select_block", pick(select_block, "select_block"))
+    n = positive_int("num_selected", pick(num_selected, "num_selected"))
+    window = pick(window, "window")
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+        raise ValueError(f"attention='nsa' takes window as an int >= 0 (the sliding branch's length; 0: off), "
+                         f"got window={window!r}")
+    compress = "mlp" if compress is None else compress
+    if compress not in COMPRESSIONS:
+        raise ValueError(f"unknown compress={compress!r}; choose one of {COMPRESSIONS}")
+    if compress == "mean":
+        if compress_hidden is not None:
+            raise ValueError(f"compress_hidden={compress_hidden!r} applies to compress='mlp' only (mean pooling "
+                             f"has no parameters)")
+        hidden = None
+    else:
+        hidden = head_dim if compress_hidden is None else positive_int("compress_hidden", compress_hidden)
+    gate = None if gate_hidden is None else positive_int("gate_hidden", gate_hidden)
+    return NSASpec(block, stride, select, n, int(window), compress, hidden, gate)
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerSpec:
     """The checked arguments of a self-attention layer (see `check_layer_args` and
     `check_multihead_args`). d_model is the input width (`in_features` of the multi-head layers),
@@ -162,7 +250,7 @@ class LayerSpec:
     position: str
     rope: Rope | None  # None unless position="rope"
     causal: bool
-    window: tuple[int, int] | None
+    window: tuple[int, int] | int | None  # softmax: (left, right); nsa: the window branch's length
     softcap: float | None
     decay: float
     learn_decay: bool
@@ -173,12 +261,13 @@ class LayerSpec:
     dropout_rate: float = 0.0  # attention dropout in training (attention="softmax" only)
     ordering: str | None = None  # the tokens' space-filling-curve order (softmax, dilated)
     grid: tuple[int, ...] | None = None  # its token grid (None: the near-square default)
+    nsa: NSASpec | None = None  # None unless attention="nsa"
 
     @property
     def rope_outside_kernel(self) -> bool:
-        """position="rope" on an attention kind without fused RoPE (dilated): the layer rotates q
-        and k (plain `apply_rope`) before the attention call."""
-        return self.position == "rope" and self.attention == "dilated"
+        """position="rope" on an attention kind without fused RoPE (dilated, NSA): the layer rotates
+        q and k (plain `apply_rope`) before the attention call."""
+        return self.position == "rope" and self.attention in ("dilated", "nsa")
 
     def projections(self) -> dict[str, tuple[int, int]]:
         """{projection name: (in features, out features)}, in creation order."""
@@ -211,12 +300,16 @@ class LayerSpec:
             raise ValueError(f"{name} must be [batch, seq, {self.width_name}] = {want} like inputs_q (dilated "
                              f"attention needs the same sequence for queries and keys), got shape {tuple(shape)}")
 
-    def attention_kwargs(self, *, segment_ids=None, positions=None, decay=None) -> dict:
+    def attention_kwargs(self, *, segment_ids=None, positions=None, decay=None, seq_len=None) -> dict:
         """The keyword arguments of the attention function (`flash_attention` for "softmax",
-        `stick_breaking_attention` for "stick_breaking", `dilated_attention` for "dilated"),
-        `implementation` aside. decay: the decay to use (the learned one where learn_decay)."""
+        `stick_breaking_attention` for "stick_breaking", `dilated_attention` for "dilated",
+        `nsa_attention` for "nsa", whose gates and compression parameters the layer adds),
+        `implementation` aside. decay: the decay to use (the learned one where learn_decay);
+        seq_len: the sequence length (attention="nsa")."""
         if self.attention == "dilated":
             return self.dilated.attention_kwargs()
+        if self.attention == "nsa":
+            return dict(self.nsa.attention_kwargs(seq_len), segment_ids=segment_ids)
         kwargs = dict(rope=self.rope, positions=positions) if self.position == "rope" else {}
         if self.attention == "stick_breaking":
             return dict(kwargs, decay=self.decay if decay is None else decay)
@@ -232,14 +325,16 @@ def check_positions_shape(shape, batch: int, length: int) -> None:
 def check_layer_args(d_model, num_heads, num_kv_heads=None, *, attention="softmax", position="none",
                      rope=Rope(), causal=False, window=None, softcap=None, decay=0.0,
                      learn_decay=False, segment_lengths=None, dilation_rates=None, merge="lse",
-                     dropout_rate=0.0, ordering=None, grid=None) -> LayerSpec:
+                     dropout_rate=0.0, ordering=None, grid=None, **nsa_args) -> LayerSpec:
     """Validate a self-attention layer's arguments (with the layers' defaults); -> the `LayerSpec`.
-    Where position != "rope", rope must be the default `Rope()` or None."""
+    Where position != "rope", rope must be the default `Rope()` or None. nsa_args: attention="nsa"'s
+    compress_block, compress_stride, select_block, num_selected, compress, compress_hidden,
+    gate_hidden (`check_nsa_args`; None elsewhere)."""
     d_model = positive_int("d_model", d_model)
     return _check(d_model, d_model, d_model, num_heads, num_kv_heads, ("d_model", "d_model"), attention=attention,
                   position=position, rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
                   learn_decay=learn_decay, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
-                  merge=merge, dropout_rate=dropout_rate, ordering=ordering, grid=grid)
+                  merge=merge, dropout_rate=dropout_rate, ordering=ordering, grid=grid, **nsa_args)
 
 
 def check_multihead_args(num_heads, in_features, qkv_features=None, out_features=None, num_kv_heads=None,
@@ -262,7 +357,8 @@ def _is_neutral(value, neutral) -> bool:
 def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, *, attention="softmax",
            position="none", rope=Rope(), causal=False, window=None, softcap=None, decay=0.0, learn_decay=False,
            segment_lengths=None, dilation_rates=None, merge="lse", dropout_rate=0.0, ordering=None,
-           grid=None) -> LayerSpec:
+           grid=None, compress_block=None, compress_stride=None, select_block=None, num_selected=None,
+           compress=None, compress_hidden=None, gate_hidden=None) -> LayerSpec:
     """names: what the caller calls (the input width, the q width)."""
     width_name, qkv_name = names
     num_heads = positive_int("num_heads", num_heads)
@@ -290,9 +386,12 @@ def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, 
         raise ValueError(f"decay must be a finite float >= 0, got decay={decay!r}")
     check_dropout_rate(dropout_rate)
     ordering, grid = check_ordering_args(ordering, grid)
+    nsa_args = dict(compress_block=compress_block, compress_stride=compress_stride, select_block=select_block,
+                    num_selected=num_selected, compress=compress, compress_hidden=compress_hidden,
+                    gate_hidden=gate_hidden)
     given = dict(window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
                  segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
-                 dropout_rate=dropout_rate, ordering=ordering, grid=grid)
+                 dropout_rate=dropout_rate, ordering=ordering, grid=grid, **nsa_args)
     unused = [f"{name}={given[name]!r}" for name, neutral in UNUSED_BY[attention].items()
               if not _is_neutral(given[name], neutral)]
     if unused:
@@ -303,11 +402,16 @@ def _check(d_model, qkv_features, out_features, num_heads, num_kv_heads, names, 
         if learn_decay and decay <= 0:
             raise ValueError("learn_decay=True needs decay > 0: the learned decay softplus(decay_logit) "
                              "starts at decay and can never be exactly 0")
-    dilated = None
+    dilated = nsa_spec = None
     if attention == "dilated":
         dilated = check_dilated_args(segment_lengths, dilation_rates, causal=causal, merge=merge,
                                      num_heads=num_heads, ordering=ordering, grid=grid)
+    if attention == "nsa":
+        if causal is not True:
+            raise ValueError("attention='nsa' is causal (every branch is): pass causal=True")
+        nsa_spec = check_nsa_args(head_dim, window=window, **nsa_args)
+        window = nsa_spec.window
     return LayerSpec(d_model, num_heads, num_kv_heads, head_dim, attention, position,
                      rope if position == "rope" else None, bool(causal), window, softcap, float(decay),
                      bool(learn_decay), dilated, qkv_features, out_features, width_name, float(dropout_rate),
-                     ordering, grid)
+                     ordering, grid, nsa_spec)

@@ -17,6 +17,7 @@ from jax_attn.ops.ring.layout import from_layout, from_zigzag, layout_positions,
 from jax_attn.device import DeviceInfo, device_info, recommended_dtype
 from jax_attn.nn.layers import EncoderBlock, MultiHeadSelfAttention, attention_fn, make_attention_fn
 from jax_attn.nn.layers import DilatedAttention, HilbertDilatedAttention, MultiheadDilatedAttention
+from jax_attn.nn.layers import CompressMLP, NativeSparseAttention
 from jax_attn.nn.positions import sinusoidal_positions
 from jax_attn.ops.common.rope import Rope, apply_rope
 from jax_attn.ops.common.spec import AttentionSpec
@@ -33,7 +34,7 @@ __all__ = [
     "default_block_sizes", "default_implementation", "device_info", "flash_attention", "flash_attention_varlen",
     "MosaicBlockSizes", "default_mosaic_block_sizes", "recommended_dtype", "Rope", "apply_rope",
     "EncoderBlock", "MultiHeadSelfAttention", "attention_fn", "make_attention_fn", "sinusoidal_positions",
-    "DilatedAttention", "MultiheadDilatedAttention", "HilbertDilatedAttention",
+    "DilatedAttention", "MultiheadDilatedAttention", "HilbertDilatedAttention", "CompressMLP", "NativeSparseAttention",
     "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "stick_breaking_attention",
     "stick_breaking_attention_varlen",
     "stick_breaking_reference", "UnknownImplementationError", "orderings",

@@ -18,6 +18,10 @@ the learned stick-breaking decay (`attention="stick_breaking", learn_decay=True`
 out_features), so the same table covers it, and `MultiHeadSelfAttention(attention="dilated")` maps
 onto it; so does `HilbertDilatedAttention` (a `MultiheadDilatedAttention` with a Hilbert ordering:
 the same parameters); `DilatedAttention` has no parameters (no pairs, nothing to copy).
+`NativeSparseAttention` (alone or as an `EncoderBlock`'s `attn` with attention="nsa") adds Linear
+gates (`gate_proj`, or `gate_in` and `gate_out`) and, with compress="mlp", `compress_k` and
+`compress_v` (`CompressMLP`: `pos`, `w1`, `b1`, `w2`, `b2`, the same names and layouts on both
+sides, never transposed).
 
 Arrays: `to_torch(x)` / `to_jax(t)` exchange through DLPack without a copy when the array and the
 destination sit on the same device (CPU <-> CPU, GPU i <-> cuda:i) and through a host copy
@@ -49,6 +53,8 @@ PARAM_MAP: dict[tuple[type, str], tuple[type, str, bool]] = {
     (nnx.LayerNorm, "scale"): (nn.LayerNorm, "weight", False),
     (nnx.LayerNorm, "bias"): (nn.LayerNorm, "bias", False),
     (jax_layers.MultiHeadSelfAttention, "decay_logit"): (torch_layers.MultiHeadSelfAttention, "decay_logit", False),
+    # NSA's compression maps: the layouts of attn_spec.nsa.CompressParams in both frameworks
+    **{(jax_layers.CompressMLP, f): (torch_layers.CompressMLP, f, False) for f in ("pos", "w1", "b1", "w2", "b2")},
 }
 
 

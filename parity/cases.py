@@ -27,7 +27,7 @@ POSITIONS = (None, "restart_per_segment", "restart_halfway", "pair_random", "pai
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    variant: str  # the record's name: "softmax" | "stick_breaking" | "dilated"
+    variant: str  # the record's name: "softmax" | "stick_breaking" | "dilated" | "nsa"
     shape: tuple[int, int, int, int, int, int]  # B, Sq, Sk, Hq, Hkv, D
     dtype: str  # "float32" | "float16" | "bfloat16"
     kwargs: tuple[tuple[str, Any], ...] = ()

@@ -1,6 +1,6 @@
 """`python -m parity.check`: the same attention in JAX and PyTorch, against one float64 golden.
 
-For every record of `parity.variants` (softmax, stick-breaking) and each of its cases: seeded NumPy
+For every record of `parity.variants` (softmax, stick-breaking, dilated, NSA) and each of its cases: seeded NumPy
 inputs and cotangents (`record.draw`) go to both frameworks; the golden is the plain reference in
 float64 (torch eager; the JAX plain reference in float64 must agree with it to 1e-10, a check of its
 own); every implementation of both frameworks that serves the case here (`parity.variants.
@@ -74,7 +74,7 @@ def check_case(case: Case, device) -> list[dict]:
                                  allowed=0.0, ratio=float("inf"), ok=False,
                                  reason=f"{type(e).__name__}: {e}"[:300]))
                 continue
-            for name, v in variants.verdicts(record, fast, naive[framework], golden, case.dtype).items():
+            for name, v in variants.verdicts(record, fast, naive[framework], golden, case.dtype, case).items():
                 rows.append(dict(case=case.name, impl=label, quantity=name, error=v.error,
                                  allowed=v.allowed, ratio=v.ratio, ok=v.ok, reason=v.reason,
                                  seconds=time.time() - t0))

@@ -1,8 +1,9 @@
 """Layer-level parity: `jax_attn.nn.layers` against their `torch_ref.nn.layers` twins, and a training run.
 
 Layer cases (`kind` "attention" = MultiHeadSelfAttention, "encoder" = EncoderBlock, "dilated_mha" =
-MultiheadDilatedAttention, "hilbert_dilated" = HilbertDilatedAttention, "dilated" = DilatedAttention), for the attention kinds "softmax",
-"stick_breaking", "dilated" and the position schemes "none", "absolute", "rope":
+MultiheadDilatedAttention, "hilbert_dilated" = HilbertDilatedAttention, "dilated" = DilatedAttention,
+"nsa" = NativeSparseAttention), for the attention kinds "softmax", "stick_breaking", "dilated", "nsa"
+and the position schemes "none", "absolute", "rope":
 the Flax layer is built from the case's seed (every parameter then shifted by seeded noise, so
 biases and LayerNorm parameters are not 0/1 and a swapped copy could not go unnoticed), copied to
 the torch twin by `parity.bridge`; identical
@@ -25,15 +26,16 @@ float64 ("xla", weights from the torch golden through `torch_to_flax`) agrees wi
 
 The training cases ("train"): a tiny encoder (embedding-free: 2 EncoderBlocks + a linear head,
 d_model 32, 4 heads, seq 16, batch 4, causal; softmax with absolute positions, stick-breaking
-with RoPE and a learned per-head decay, or dilated attention with absolute positions) regresses a
-synthetic target (the running mean of the first input features, which needs attention) with plain
-SGD, 20 steps, the same learning rate, identical initial weights (bridge) and identical batches in
-both frameworks; the loss of every step must pass the rule (golden: the float64 torch eager run; one
-allowance for the whole trajectory, see `_training_rows`), and the float64 JAX run must agree
-with the golden to 1e-10 at every step. A fourth training case (softmax, absolute positions)
+with RoPE and a learned per-head decay, dilated attention with absolute positions, or NSA with
+absolute positions, the learnable compression and a gate MLP) regresses a synthetic target (the
+running mean of the first input features, which needs attention) with plain SGD, 20 steps, the
+same learning rate, identical initial weights (bridge) and identical batches in both frameworks;
+the loss of every step must pass the rule (golden: the float64 torch eager run; one allowance for
+the whole trajectory, see `_training_rows`), and the float64 JAX run must agree with the golden to
+1e-10 at every step. A further training case (softmax, absolute positions)
 trains with attention dropout 0.1, a fixed seed per step and block.
 
-CPU cost (the kernels run through interpreters there): only cases with `cpu_kernels=True` -- eight
+CPU cost (the kernels run through interpreters there): only cases with `cpu_kernels=True` -- eleven
 layer cases -- run "jax pallas_triton" / "torch triton" on CPU; on a GPU every case runs them.
 The training run on CPU uses the plain implementations only ("xla", "eager", plus the row
 "jax xla (naive: torch eager)"): through the interpreter the Triton kernels need ~1 s per
@@ -88,14 +90,15 @@ PARAM_NOISE = 0.1
 @dataclasses.dataclass(frozen=True)
 class LayerCase:
     name: str
-    kind: str  # "attention" | "encoder" | "train" | "dilated_mha" | "hilbert_dilated" | "dilated"
+    kind: str  # "attention" | "encoder" | "train" | "dilated_mha" | "hilbert_dilated" | "dilated" | "nsa"
     position: str  # "none" | "absolute" | "rope"
     shape: tuple[int, int, int, int, int]  # batch, seq, d_model (in_features), num_heads, num_kv_heads
     attention: str = "softmax"  # "softmax" | "stick_breaking" | "dilated"
     d_ff: int = 64
     dtype: str = "float32"
     # causal / window / softcap / decay / learn_decay / segment_lengths / dilation_rates / merge;
-    # qkv_features / out_features ("dilated_mha"); scale ("dilated")
+    # qkv_features / out_features ("dilated_mha"); scale ("dilated"); the NSA configuration
+    # (compress_block, ..., gate_hidden: "nsa", and attention="nsa" in "encoder" / "train")
     kwargs: tuple[tuple[str, Any], ...] = ()
     rope_style: str = "interleaved"  # position="rope": Rope(style=...) in both frameworks
     packed: bool = False  # segment ids + positions restarting in every segment
@@ -115,7 +118,7 @@ class LayerCase:
         if self.kind == "dilated":
             return dict(self.kwargs)
         kwargs = dict(num_kv_heads=self.shape[4], position=self.position, **dict(self.kwargs))
-        if self.kind not in ("dilated_mha", "hilbert_dilated"):
+        if self.kind not in ("dilated_mha", "hilbert_dilated", "nsa"):
             kwargs["attention"] = self.attention
         if self.position == "rope":
             kwargs["rope"] = Rope(style=self.rope_style)
@@ -212,6 +215,23 @@ LAYER_CASES: list[LayerCase] = [
           packed=True, kwargs=(("window", (6, 3)),), quick=True),
     _case("train_encoder_dropout", "train", "absolute", (4, 16, 32, 4, 2), dropout_rate=0.1,
           kwargs=(("causal", True),)),
+    # Native Sparse Attention: the layer (learnable compression or mean pooling, linear or MLP gates),
+    # the encoder block, a training run; importance-driven selection (more blocks than slots)
+    _case("layer_nsa_mlp_rope_gqa_odd", "nsa", "rope", (2, 37, 32, 4, 2), attention="nsa",
+          kwargs=(("compress_block", 8), ("compress_stride", 4), ("select_block", 8), ("num_selected", 3),
+                  ("window", 8), ("compress_hidden", 12)), cpu_kernels=True, quick=True),
+    _case("layer_nsa_mean_gate_mlp_packed", "nsa", "absolute", (2, 33, 32, 4, 1), attention="nsa", packed=True,
+          kwargs=(("compress_block", 8), ("compress_stride", 8), ("select_block", 8), ("num_selected", 2),
+                  ("window", 6), ("compress", "mean"), ("gate_hidden", 16)), cpu_kernels=True),
+    _case("layer_nsa_mha_none_d12", "nsa", "none", (1, 29, 24, 2, 2), attention="nsa",
+          kwargs=(("compress_block", 4), ("compress_stride", 2), ("select_block", 4), ("num_selected", 4),
+                  ("window", 0), ("gate_hidden", 8))),
+    _case("layer_encoder_nsa_rope_half", "encoder", "rope", (2, 33, 32, 4, 2), attention="nsa", rope_style="half",
+          kwargs=(("causal", True), ("compress_block", 8), ("compress_stride", 4), ("select_block", 8),
+                  ("num_selected", 3), ("window", 8)), cpu_kernels=True),
+    _case("train_encoder_nsa", "train", "absolute", (4, 16, 32, 4, 2), attention="nsa",
+          kwargs=(("causal", True), ("compress_block", 4), ("compress_stride", 2), ("select_block", 4),
+                  ("num_selected", 2), ("window", 4), ("compress_hidden", 8), ("gate_hidden", 8))),
 ]
 
 
@@ -299,6 +319,9 @@ def build_flax(case: LayerCase, implementation: str, dtype: str = "float32"):
                                           param_dtype=jdt, rngs=rngs, **case.layer_kwargs())
     if case.kind == "dilated":
         return jl.DilatedAttention(implementation=implementation, **case.layer_kwargs())
+    if case.kind == "nsa":
+        return jl.NativeSparseAttention(d_model, heads, implementation=implementation, dtype=jdt, param_dtype=jdt,
+                                        rngs=rngs, **case.layer_kwargs())
     raise ValueError(f"unknown layer case kind={case.kind!r}")
 
 
@@ -321,6 +344,9 @@ def build_torch(case: LayerCase, implementation: str, dtype: str, device):
                                           param_dtype=tdt, device=device, **case.layer_kwargs())
     if case.kind == "dilated":
         return tl.DilatedAttention(implementation=implementation, **case.layer_kwargs())
+    if case.kind == "nsa":
+        return tl.NativeSparseAttention(d_model, heads, implementation=implementation, dtype=tdt, param_dtype=tdt,
+                                        device=device, **case.layer_kwargs())
     raise ValueError(f"unknown layer case kind={case.kind!r}")
 
 

@@ -348,7 +348,7 @@ FRAMEWORKS = {
     ((32, 4), dict(position="exposb"), ValueError,
      r"unknown position='exposb'; choose one of \('none', 'absolute', 'rope'\)"),
     ((32, 4), dict(attention="flash"), ValueError,
-     r"unknown attention='flash'; choose one of \('softmax', 'stick_breaking', 'dilated'\)"),
+     r"unknown attention='flash'; choose one of \('softmax', 'stick_breaking', 'dilated', 'nsa'\)"),
     ((30, 4), {}, ValueError, r"d_model \(30\) must be divisible by num_heads \(4\)"),
     ((32, 4), dict(num_kv_heads=3), ValueError, r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
     ((32, 0), {}, ValueError, r"num_heads must be a positive int"),

@@ -66,10 +66,11 @@ def three(record, framework, implementation, case):
 def assert_rule(record, framework, implementation, case):
     """The tolerance rule on every quantity; returns (fast, naive, golden) as dicts by quantity."""
     fast, naive, gold = three(record, framework, implementation, case)
-    failed = {name: v for name, v in variants.verdicts(record, fast, naive, gold, case.dtype).items() if not v.ok}
+    failed = {name: v for name, v in variants.verdicts(record, fast, naive, gold, case.dtype, case).items()
+              if not v.ok}
     assert not failed, "; ".join(f"{n}: error {v.error:.3g} > allowed {v.allowed:.3g} {v.reason}"
                                  for n, v in failed.items())
-    as_dict = lambda xs: dict(zip(record.quantities, xs))
+    as_dict = lambda xs: dict(zip(record.quantities_of(case), xs))
     return as_dict(fast), as_dict(naive), as_dict(gold)
 
 
@@ -81,7 +82,7 @@ def cpu_grid(record):
 def assert_goldens_agree(record, case):
     """The two frameworks' plain references in float64 agree to 1e-10 (the golden is one)."""
     gold_jax, gold_torch = (results(record.name, fw, REFERENCE[fw], case, "float64") for fw in FRAMEWORKS)
-    for name, a, b in zip(record.quantities, gold_jax, gold_torch):
+    for name, a, b in zip(record.quantities_of(case), gold_jax, gold_torch, strict=True):
         np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=name)
         finite = np.isfinite(a)
         np.testing.assert_array_equal(a[~finite], b[~finite], err_msg=name)

@@ -22,6 +22,7 @@ from .api import (compress_kv, compression_attention, dilated_attention, flash_a
                   stick_breaking_attention_varlen, stick_breaking_reference)
 from .nn.layers import EncoderBlock, MultiHeadSelfAttention
 from .nn.layers import DilatedAttention, HilbertDilatedAttention, MultiheadDilatedAttention
+from .nn.layers import CompressMLP, NativeSparseAttention
 from .nn.positions import sinusoidal_positions
 from .ops.common.rope import Rope, apply_rope
 from .registry import IMPLEMENTATIONS, UnknownImplementationError, resolve_implementation
@@ -32,6 +33,7 @@ __all__ = ["flash_attention", "flash_attention_reference", "flash_attention_varl
            "IMPLEMENTATIONS", "resolve_implementation", "UnknownImplementationError", "EncoderBlock",
            "MultiHeadSelfAttention", "sinusoidal_positions", "stick_breaking_attention", "stick_breaking_reference",
            "stick_breaking_attention_varlen", "DilatedAttention", "MultiheadDilatedAttention", "HilbertDilatedAttention",
+           "CompressMLP", "NativeSparseAttention",
            "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "dilated_attention", "orderings",
            "selection_attention", "compress_kv", "compression_attention", "select_blocks", "nsa_attention",
            "NSABlockSizes", "default_nsa_block_sizes"]

@@ -9,6 +9,11 @@
   qkv_features, out_features, num_kv_heads; called on inputs_q[, inputs_k, inputs_v]).
 * `HilbertDilatedAttention`: `MultiheadDilatedAttention` on Hilbert-ordered tokens (the segments
   cut from the Hilbert order over a token grid, so each is a compact 2-D patch region).
+* `NativeSparseAttention`: NSA (Yuan et al., arXiv 2502.11089) as a layer: the projections of
+  `MultiHeadSelfAttention` (same names), the gates (`gate_proj`, or the MLP `gate_in` -> GELU ->
+  `gate_out`; sigmoid, [B, S, Hq, 3]), the learnable compression maps (`compress_k`,
+  `compress_v`: `CompressMLP`, the paper's MLP with an intra-block position embedding; none with
+  compress="mean"), and `nsa_attention` with the layer's configuration.
 * `EncoderBlock`: BERT-style post-LN block, x = LN(x + attn(x)); x = LN(x + MLP(x)), MLP =
   Linear(d_model, d_ff) -> GELU (tanh approximation) -> Linear(d_ff, d_model).
 * `make_attention_fn` / `attention_fn`: run `flax.nnx.MultiHeadAttention(attention_fn=...)` on the
@@ -22,8 +27,9 @@ drawn from the call's `rngs` or from `self.rngs`. The mask is that of `flash_att
 a torch twin called with `dropout_seed=s` drops the same elements as a call here with
 `dropout_key=jax.random.wrap_key_data(jnp.asarray(attn_spec.dropout.seed_words(s), jnp.uint32))`.
 
-The attention kind (`attention="softmax" | "stick_breaking" | "dilated"`: `jax_attn.flash_attention`,
-`jax_attn.stick_breaking_attention` or `jax_attn.dilated_attention`) and the position scheme
+The attention kind (`attention="softmax" | "stick_breaking" | "dilated" | "nsa"`: `jax_attn.flash_attention`,
+`jax_attn.stick_breaking_attention`, `jax_attn.dilated_attention` or `jax_attn.nsa_attention`, the
+last through `NativeSparseAttention`) and the position scheme
 (`position="none" | "absolute" | "rope"`) are separate arguments; their meaning, which other
 arguments each takes and the checks are those of `attn_spec.layers`, shared with the PyTorch twins
 in `torch_ref.nn.layers` (same arguments, same submodule names). Parameters move between them with
@@ -39,7 +45,8 @@ from flax import nnx
 
 from attn_spec.layers import (LAYER_NORM_EPS, check_dilated_args, check_layer_args, check_multihead_args,
                               check_positions_shape, feed_forward_width, inverse_softplus)
-from jax_attn.api import dilated_attention, flash_attention, stick_breaking_attention
+from attn_spec.nsa import CompressParams
+from jax_attn.api import dilated_attention, flash_attention, nsa_attention, stick_breaking_attention
 from jax_attn.nn.positions import sinusoidal_at, sinusoidal_positions
 from jax_attn.ops.common.rope import Rope, apply_rope
 
@@ -48,7 +55,9 @@ NO_DETERMINISTIC = ("No `deterministic` argument was provided to {name} as eithe
                     "model.train() / model.eval())")
 
 ATTENTION_FUNCTIONS = {"softmax": flash_attention, "stick_breaking": stick_breaking_attention,
-                       "dilated": dilated_attention}
+                       "dilated": dilated_attention, "nsa": nsa_attention}
+NSA_LAYER = ("attention='nsa' has parameters of its own (gates, compression maps): use NativeSparseAttention "
+             "(EncoderBlock(attention='nsa') holds one)")
 
 
 class MultiHeadSelfAttention(nnx.Module):
@@ -93,6 +102,8 @@ class MultiHeadSelfAttention(nnx.Module):
                  ordering: str | None = None, grid=None, deterministic: bool | None = None,
                  implementation: str | None = None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        if attention == "nsa":
+            raise ValueError(NSA_LAYER)
         self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
                                      rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
                                      learn_decay=learn_decay, segment_lengths=segment_lengths,
@@ -179,7 +190,9 @@ def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, 
                for p, x, h in zip(projections, inputs, spec.qkv_heads()))
     if spec.rope_outside_kernel:
         q, k = apply_rope(q, positions, spec.rope), apply_rope(k, positions, spec.rope)
-    kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay)
+    kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay, seq_len=length)
+    if spec.attention == "nsa":  # gates from the attention input (positions added), as q, k, v
+        kwargs.update(gates=module.gates(inputs[0]), compress_params=module.compress_params())
     if config is not None:
         kwargs["config"] = config
     kwargs.update(dropout or {})
@@ -277,6 +290,102 @@ class HilbertDilatedAttention(MultiheadDilatedAttention):
                          dropout_rate=dropout_rate, rngs=rngs)
 
 
+class CompressMLP(nnx.Module):
+    """NSA's learnable compression map of one of k, v (the fields of `attn_spec.nsa.CompressParams`,
+    same names and layouts in the torch twin): `pos [block, D]` (the intra-block position
+    embedding), `w1 [block * D, hidden]`, `b1 [hidden]`, `w2 [hidden, D]`, `b2 [D]`;
+    phi(x) = gelu((x + pos).reshape(block * D) @ w1 + b1) @ w2 + b2 (exact GELU, in `nsa_attention`).
+
+    Initialisation: pos ~ N(0, 0.02^2), w1 and w2 lecun-normal (nnx.Linear's kernels), biases 0.
+    """
+
+    def __init__(self, block: int, head_dim: int, hidden: int, *, param_dtype: Any = jnp.float32,
+                 rngs: nnx.Rngs):
+        kernel = nnx.initializers.lecun_normal()
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (block, head_dim), param_dtype))
+        self.w1 = nnx.Param(kernel(rngs.params(), (block * head_dim, hidden), param_dtype))
+        self.b1 = nnx.Param(jnp.zeros((hidden,), param_dtype))
+        self.w2 = nnx.Param(kernel(rngs.params(), (hidden, head_dim), param_dtype))
+        self.b2 = nnx.Param(jnp.zeros((head_dim,), param_dtype))
+
+    def params(self, dtype) -> CompressParams:
+        """The parameters as a `CompressParams` in the compute dtype (flax's promote_dtype)."""
+        return CompressParams(*(jnp.asarray(getattr(self, f)[...], dtype) for f in CompressParams._fields))
+
+
+class NativeSparseAttention(nnx.Module):
+    """Native Sparse Attention (Yuan et al. 2025, arXiv 2502.11089) as a self-attention layer:
+    x [B, S, d_model] -> q (num_heads heads), k, v (num_kv_heads heads) -> `nsa_attention` with
+    gates sigmoid(gate(x)) [B, S, num_heads, 3] (compression, selection, window) and the
+    compression maps -> heads merged -> out_proj. Causal (every branch is).
+
+    Args:
+      d_model, num_heads, num_kv_heads (default num_heads, dividing it): as `MultiHeadSelfAttention`
+        (head dim d_model // num_heads); the projections have its names (`q_proj`, `k_proj`,
+        `v_proj`, `out_proj`).
+      compress_block, compress_stride, select_block, num_selected, window: the NSA configuration of
+        `nsa_attention` (defaults: `attn_spec.nsa.NSAConfig`). num_selected is capped per call at
+        the sequence's number of selection blocks (every visible block is then selected).
+      compress: "mlp" (`compress_k`, `compress_v`: `CompressMLP`s of width compress_hidden, default
+        the head dim, shared by the kv heads, as the paper's phi) or "mean" (mean pooling, no
+        parameters; fla-org's form).
+      gate_hidden: None: `gate_proj = Linear(d_model, 3 * num_heads)` then a sigmoid (fla-org's
+        gate); an int: the paper's MLP, `gate_in = Linear(d_model, gate_hidden)` -> GELU (tanh
+        approximation) -> `gate_out = Linear(gate_hidden, 3 * num_heads)` -> sigmoid. The output's
+        last axis is (head, branch), head-major.
+      position: "none" | "absolute" | "rope" (q and k rotated before the call: `nsa_attention` has
+        no fused RoPE); rope: its `Rope` config.
+      implementation: `nsa_attention`'s ("triton" / "pallas_triton", "xla" or None).
+      use_bias: biases in every Linear; dtype: compute dtype (projections, gates, compression
+        parameters cast to it); param_dtype; rngs: as `MultiHeadSelfAttention` (nnx.Linear
+        initialisers; `CompressMLP` for the compression maps).
+    Errors (ValueError naming the argument) for a bad configuration; a sequence's own limits
+    (lengths, segment ids) are checked by `nsa_attention`.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 compress_block: int = 32, compress_stride: int = 16, select_block: int = 64,
+                 num_selected: int = 16, window: int = 512, compress: str = "mlp",
+                 compress_hidden: int | None = None, gate_hidden: int | None = None, position: str = "none",
+                 rope: Rope = Rope(), implementation: str | None = None, use_bias: bool = True,
+                 dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention="nsa", position=position, rope=rope,
+                                     causal=True, window=window, compress_block=compress_block,
+                                     compress_stride=compress_stride, select_block=select_block,
+                                     num_selected=num_selected, compress=compress, compress_hidden=compress_hidden,
+                                     gate_hidden=gate_hidden)
+        self.implementation, self.dtype, self.dropout_rate = implementation, dtype, 0.0
+        linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        _add_projections(self, **linear)
+        for name, (n_in, n_out) in self.spec.nsa.gate_layers(d_model, num_heads).items():
+            setattr(self, name, nnx.Linear(n_in, n_out, **linear))
+        cfg = self.spec.nsa
+        if cfg.compress == "mlp":
+            make = lambda: CompressMLP(cfg.compress_block, self.spec.head_dim, cfg.compress_hidden,
+                                       param_dtype=param_dtype, rngs=rngs)
+            self.compress_k, self.compress_v = make(), make()
+
+    def gates(self, x):
+        """x [B, S, d_model] -> sigmoid gates [B, S, num_heads, 3] (compression, selection, window)."""
+        if self.spec.nsa.gate_hidden is None:
+            logits = self.gate_proj(x)
+        else:
+            logits = self.gate_out(jax.nn.gelu(self.gate_in(x), approximate=True))
+        return jax.nn.sigmoid(logits).reshape(*x.shape[:2], self.spec.num_heads, 3)
+
+    def compress_params(self):
+        """(CompressParams for k, for v) in the compute dtype, or None (mean pooling)."""
+        if self.spec.nsa.compress != "mlp":
+            return None
+        return self.compress_k.params(self.dtype), self.compress_v.params(self.dtype)
+
+    def __call__(self, x, *, segment_ids=None, positions=None):
+        """x [B, S, d_model] -> [B, S, d_model]. segment_ids: int [B, S] (packed sequences: every
+        branch stays within its segment; sorted ids). positions: int [B, S] for "absolute" /
+        "rope" (default 0 .. S-1)."""
+        return _project_attend(self, (x, x, x), ("x",), segment_ids=segment_ids, positions=positions)
+
+
 def _check_positions(positions, batch, length):
     if not hasattr(positions, "dtype") or not jnp.issubdtype(positions.dtype, jnp.integer):
         raise TypeError(f"positions must be an integer array, got {getattr(positions, 'dtype', type(positions))}")
@@ -291,8 +400,10 @@ class EncoderBlock(nnx.Module):
     Args: d_model, num_heads; d_ff: MLP width (default 4 * d_model); the remaining keyword
     arguments are those of `MultiHeadSelfAttention` (attention="dilated" with segment_lengths,
     dilation_rates, merge: LongNet's dilated attention in the block; dropout_rate, deterministic:
-    attention dropout, the attention's `rngs` stream drawing its keys). LayerNorm eps 1e-5 (as
-    torch's default).
+    attention dropout, the attention's `rngs` stream drawing its keys). attention="nsa" (causal=True)
+    makes `attn` a `NativeSparseAttention` with compress_block, compress_stride, select_block,
+    num_selected, compress, compress_hidden, gate_hidden and window (an int here; None: the NSA
+    defaults, see `attn_spec.layers`). LayerNorm eps 1e-5 (as torch's default).
     """
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *,
@@ -300,16 +411,35 @@ class EncoderBlock(nnx.Module):
                  rope: Rope = Rope(), causal: bool = False, window: tuple[int, int] | None = None,
                  softcap: float | None = None, decay: float = 0.0, learn_decay: bool = False,
                  segment_lengths=None, dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0,
-                 ordering: str | None = None, grid=None, deterministic: bool | None = None,
-                 implementation: str | None = None, use_bias: bool = True,
+                 compress_block: int | None = None, compress_stride: int | None = None,
+                 select_block: int | None = None, num_selected: int | None = None, compress: str | None = None,
+                 compress_hidden: int | None = None, gate_hidden: int | None = None,
+                 ordering: str | None = None, grid=None,
+                 deterministic: bool | None = None, implementation: str | None = None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         d_ff = feed_forward_width(d_model, d_ff)
-        self.attn = MultiHeadSelfAttention(
-            d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
-            causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
-            segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate,
-            ordering=ordering, grid=grid, deterministic=deterministic, implementation=implementation, use_bias=use_bias, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs)
+        nsa_args = dict(compress_block=compress_block, compress_stride=compress_stride, select_block=select_block,
+                        num_selected=num_selected, compress=compress, compress_hidden=compress_hidden,
+                        gate_hidden=gate_hidden)
+        # every argument checked here (those the attention kind does not take must stay neutral: the
+        # NSA ones never reach MultiHeadSelfAttention)
+        spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position, rope=rope,
+                                causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
+                                segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
+                                dropout_rate=dropout_rate, ordering=ordering, grid=grid, **nsa_args)
+        if attention == "nsa":
+            nsa_args = {name: getattr(spec.nsa, name) for name in nsa_args}
+            self.attn = NativeSparseAttention(
+                d_model, num_heads, num_kv_heads=num_kv_heads, window=spec.nsa.window, position=position, rope=rope,
+                implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                **nsa_args)
+        else:
+            self.attn = MultiHeadSelfAttention(
+                d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
+                causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
+                segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
+                dropout_rate=dropout_rate, ordering=ordering, grid=grid, deterministic=deterministic,
+                implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.dropout_rate, self.deterministic = self.attn.dropout_rate, deterministic
         norm = dict(epsilon=LAYER_NORM_EPS, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.ln1 = nnx.LayerNorm(d_model, **norm)
@@ -322,8 +452,11 @@ class EncoderBlock(nnx.Module):
         """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions / rngs / dropout_key as in
         the attention; deterministic: the call's, else the block's attribute, else the attention's."""
         deterministic = self.deterministic if deterministic is None else deterministic
-        attended = self.attn(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
-                             rngs=rngs, dropout_key=dropout_key)
+        if isinstance(self.attn, NativeSparseAttention):  # no dropout: nothing to draw
+            attended = self.attn(x, segment_ids=segment_ids, positions=positions)
+        else:
+            attended = self.attn(x, segment_ids=segment_ids, positions=positions, deterministic=deterministic,
+                                 rngs=rngs, dropout_key=dropout_key)
         h = self.ln1(x + attended)
         return self.ln2(h + self.mlp_out(jax.nn.gelu(self.mlp_in(h), approximate=True)))
 

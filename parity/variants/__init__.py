@@ -2,9 +2,11 @@
 about it, and the only places that know how the variant is called.
 
 A `VariantRecord` holds
-  - `name`: the variant ("softmax", "stick_breaking", "dilated"), also its key in both registries
+  - `name`: the variant ("softmax", "stick_breaking", "dilated", "nsa"), also its key in both registries
     (`jax_attn.registry.REGISTRY`, `torch_ref.registry.REGISTRY`);
-  - `quantities`: what is compared, in order (forward quantities first: `forward`);
+  - `quantities`: what is compared, in order (forward quantities first: `forward`); where they
+    depend on the case (NSA's operations), `case_quantities(case)` gives each case's
+    (`quantities_of`);
   - `draw(case) -> Inputs`: the seeded float64 NumPy inputs, random cotangents included;
   - `run_jax(case, implementation, dtype, inputs)` / `run_torch(case, implementation, dtype, inputs,
     device)`: the quantities (float64 NumPy) from one implementation through `jax.vjp` /
@@ -63,9 +65,15 @@ class VariantRecord:
     jax_call: Callable[[Case], object]
     cases: tuple[Case, ...]
     grid: tuple[Case, ...]
+    # the quantities of one case, where they differ from case to case (NSA's operations); None: `quantities`
+    case_quantities: Callable[[Case], tuple[str, ...]] | None = None
 
     def factor(self, quantity: str) -> float:
         return FORWARD_FACTOR if quantity in self.forward else GRADIENT_FACTOR
+
+    def quantities_of(self, case: Case | None) -> tuple[str, ...]:
+        """The quantities the run functions return for `case`, in order."""
+        return self.quantities if case is None or self.case_quantities is None else self.case_quantities(case)
 
 
 def implementations(record: VariantRecord, framework: str) -> tuple[str, ...]:
@@ -115,10 +123,15 @@ def golden(record: VariantRecord, framework: str, case: Case, inputs: Inputs, de
     return results(record, framework, REFERENCE[framework], case, "float64", inputs, device)
 
 
-def verdicts(record: VariantRecord, fast, naive, gold, dtype: str) -> dict[str, Verdict]:
-    """The tolerance rule per quantity: `fast` against `gold`, allowed from `naive`'s error."""
+def verdicts(record: VariantRecord, fast, naive, gold, dtype: str, case: Case | None = None) -> dict[str, Verdict]:
+    """The tolerance rule per quantity: `fast` against `gold`, allowed from `naive`'s error (the
+    quantities of `case`, `record.quantities_of`)."""
+    names = record.quantities_of(case)
+    if not len(names) == len(fast) == len(naive) == len(gold):
+        raise ValueError(f"{record.name}: {len(names)} quantities {names} but {len(fast)} / {len(naive)} / "
+                         f"{len(gold)} results")
     return {name: compare(f, n, g, NP_DTYPES[dtype], record.factor(name))
-            for name, f, n, g in zip(record.quantities, fast, naive, gold)}
+            for name, f, n, g in zip(names, fast, naive, gold)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,6 +165,7 @@ def stat_dtype(dtype: str) -> str:
 from parity.variants.softmax import SOFTMAX  # noqa: E402
 from parity.variants.stick_breaking import STICK_BREAKING  # noqa: E402
 from parity.variants.dilated import DILATED  # noqa: E402
+from parity.variants.nsa import NSA  # noqa: E402
 
-RECORDS: tuple[VariantRecord, ...] = (SOFTMAX, STICK_BREAKING, DILATED)
+RECORDS: tuple[VariantRecord, ...] = (SOFTMAX, STICK_BREAKING, DILATED, NSA)
 BY_NAME = {r.name: r for r in RECORDS}

@@ -1,11 +1,12 @@
-"""PyTorch twins of `jax_attn.nn.layers`: `MultiHeadSelfAttention`, `EncoderBlock`, `DilatedAttention`
-and `MultiheadDilatedAttention`.
+"""PyTorch twins of `jax_attn.nn.layers`: `MultiHeadSelfAttention`, `EncoderBlock`, `DilatedAttention`,
+`MultiheadDilatedAttention`, `NativeSparseAttention` and its `CompressMLP`.
 
 Same constructor arguments (torch dtypes and a `device` instead of `rngs`), same submodule names
 (`q_proj`, `k_proj`, `v_proj`, `out_proj` as nn.Linear; `attn`, `ln1`, `ln2`, `mlp_in`, `mlp_out`),
 same computation, on `torch_ref.flash_attention` (attention="softmax"),
-`torch_ref.stick_breaking_attention` (attention="stick_breaking") or `torch_ref.dilated_attention`
-(attention="dilated" and the dilated layers). The attention kinds, the
+`torch_ref.stick_breaking_attention` (attention="stick_breaking"), `torch_ref.dilated_attention`
+(attention="dilated" and the dilated layers) or `torch_ref.nsa_attention` (`NativeSparseAttention`,
+EncoderBlock(attention="nsa")). The attention kinds, the
 position schemes ("none", "absolute", "rope") and the argument checks are those of
 `attn_spec.layers`; `rope` is the shared `Rope` config (`torch_ref.Rope` is `jax_attn.Rope`).
 Parameters come from the Flax layers through `parity.bridge` (torch's own initialisation differs
@@ -29,13 +30,16 @@ from torch import nn
 
 from attn_spec.layers import (LAYER_NORM_EPS, check_dilated_args, check_layer_args, check_multihead_args,
                               check_positions_shape, feed_forward_width, inverse_softplus)
+from attn_spec.nsa import CompressParams
 
-from ..api import dilated_attention, flash_attention, stick_breaking_attention
+from ..api import dilated_attention, flash_attention, nsa_attention, stick_breaking_attention
 from ..ops.common.rope import Rope, apply_rope
 from .positions import sinusoidal_at, sinusoidal_positions
 
 ATTENTION_FUNCTIONS = {"softmax": flash_attention, "stick_breaking": stick_breaking_attention,
-                       "dilated": dilated_attention}
+                       "dilated": dilated_attention, "nsa": nsa_attention}
+NSA_LAYER = ("attention='nsa' has parameters of its own (gates, compression maps): use NativeSparseAttention "
+             "(EncoderBlock(attention='nsa') holds one)")
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -64,6 +68,8 @@ class MultiHeadSelfAttention(nn.Module):
                  use_bias: bool = True, dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32,
                  device=None):
         super().__init__()
+        if attention == "nsa":
+            raise ValueError(NSA_LAYER)
         self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position,
                                      rope=rope, causal=causal, window=window, softcap=softcap, decay=decay,
                                      learn_decay=learn_decay, segment_lengths=segment_lengths,
@@ -124,7 +130,9 @@ def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, 
         if positions is None:
             positions = torch.arange(length, device=x0.device).expand(batch, length)
         q, k = apply_rope(q, positions, spec.rope), apply_rope(k, positions, spec.rope)
-    kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay)
+    kwargs = spec.attention_kwargs(segment_ids=segment_ids, positions=positions, decay=decay, seq_len=length)
+    if spec.attention == "nsa":  # gates from the attention input (positions added), as q, k, v
+        kwargs.update(gates=module.gates(inputs[0]), compress_params=module.compress_params())
     if config is not None:
         kwargs["config"] = config
     kwargs.update(dropout or {})
@@ -196,6 +204,72 @@ class HilbertDilatedAttention(MultiheadDilatedAttention):
                          dropout_rate=dropout_rate, device=device)
 
 
+class CompressMLP(nn.Module):
+    """Twin of `jax_attn.nn.layers.CompressMLP`: `pos [block, D]`, `w1 [block * D, hidden]`, `b1 [hidden]`,
+    `w2 [hidden, D]`, `b2 [D]` (the layouts of `attn_spec.nsa.CompressParams`, the same as in Flax)."""
+
+    def __init__(self, block: int, head_dim: int, hidden: int, *, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        factory = dict(dtype=dtype, device=device)
+        self.pos = nn.Parameter(0.02 * torch.randn(block, head_dim, **factory))
+        self.w1 = nn.Parameter(torch.randn(block * head_dim, hidden, **factory) * (block * head_dim) ** -0.5)
+        self.b1 = nn.Parameter(torch.zeros(hidden, **factory))
+        self.w2 = nn.Parameter(torch.randn(hidden, head_dim, **factory) * hidden ** -0.5)
+        self.b2 = nn.Parameter(torch.zeros(head_dim, **factory))
+
+    def params(self, dtype: torch.dtype) -> CompressParams:
+        """The parameters as a `CompressParams` in the compute dtype (gradients reach the parameters)."""
+        return CompressParams(*(getattr(self, f).to(dtype) for f in CompressParams._fields))
+
+
+class NativeSparseAttention(nn.Module):
+    """Twin of `jax_attn.nn.layers.NativeSparseAttention` (see there for the arguments; torch dtypes
+    and a `device` instead of `rngs`): q/k/v/out projections, the gates (`gate_proj`, or `gate_in` ->
+    GELU (tanh) -> `gate_out`; sigmoid), `compress_k` / `compress_v` (`CompressMLP`, compress="mlp"),
+    and `torch_ref.nsa_attention`."""
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None, compress_block: int = 32,
+                 compress_stride: int = 16, select_block: int = 64, num_selected: int = 16, window: int = 512,
+                 compress: str = "mlp", compress_hidden: int | None = None, gate_hidden: int | None = None,
+                 position: str = "none", rope: Rope = Rope(), implementation: str | None = None,
+                 use_bias: bool = True, dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32,
+                 device=None):
+        super().__init__()
+        self.spec = check_layer_args(d_model, num_heads, num_kv_heads, attention="nsa", position=position, rope=rope,
+                                     causal=True, window=window, compress_block=compress_block,
+                                     compress_stride=compress_stride, select_block=select_block,
+                                     num_selected=num_selected, compress=compress, compress_hidden=compress_hidden,
+                                     gate_hidden=gate_hidden)
+        self.implementation, self.dtype, self.dropout_rate = implementation, dtype, 0.0
+        _add_projections(self, bias=use_bias, dtype=param_dtype, device=device)
+        for name, (n_in, n_out) in self.spec.nsa.gate_layers(d_model, num_heads).items():
+            self.add_module(name, nn.Linear(n_in, n_out, bias=use_bias, dtype=param_dtype, device=device))
+        cfg = self.spec.nsa
+        if cfg.compress == "mlp":
+            make = lambda: CompressMLP(cfg.compress_block, self.spec.head_dim, cfg.compress_hidden, dtype=param_dtype,
+                                       device=device)
+            self.compress_k, self.compress_v = make(), make()
+
+    def gates(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S, d_model] -> sigmoid gates [B, S, num_heads, 3] (compression, selection, window)."""
+        if self.spec.nsa.gate_hidden is None:
+            logits = _linear(self.gate_proj, x, self.dtype)
+        else:
+            logits = _linear(self.gate_out, F.gelu(_linear(self.gate_in, x, self.dtype), approximate="tanh"),
+                             self.dtype)
+        return torch.sigmoid(logits).reshape(*x.shape[:2], self.spec.num_heads, 3)
+
+    def compress_params(self):
+        """(CompressParams for k, for v) in the compute dtype, or None (mean pooling)."""
+        if self.spec.nsa.compress != "mlp":
+            return None
+        return self.compress_k.params(self.dtype), self.compress_v.params(self.dtype)
+
+    def forward(self, x: torch.Tensor, *, segment_ids=None, positions=None) -> torch.Tensor:
+        """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions int [B, S]."""
+        return _project_attend(self, (x, x, x), ("x",), segment_ids=segment_ids, positions=positions)
+
+
 def _check_positions(positions, batch, length):
     if (not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype.is_complex
             or positions.dtype == torch.bool):
@@ -210,16 +284,35 @@ class EncoderBlock(nn.Module):
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None, *, num_kv_heads: int | None = None,
                  attention: str = "softmax", position: str = "none", rope: Rope = Rope(), causal: bool = False,
                  window=None, softcap=None, decay: float = 0.0, learn_decay: bool = False, segment_lengths=None,
-                 dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0, ordering: str | None = None,
-                 grid=None, implementation: str | None = None, use_bias: bool = True, dtype: torch.dtype = torch.float32,
-                 param_dtype: torch.dtype = torch.float32, device=None):
+                 dilation_rates=None, merge: str = "lse", dropout_rate: float = 0.0, compress_block=None,
+                 compress_stride=None, select_block=None, num_selected=None, compress=None, compress_hidden=None,
+                 gate_hidden=None, ordering: str | None = None, grid=None,
+                 implementation: str | None = None, use_bias: bool = True,
+                 dtype: torch.dtype = torch.float32, param_dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         d_ff = feed_forward_width(d_model, d_ff)
-        self.attn = MultiHeadSelfAttention(
-            d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
-            causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
-            segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge, dropout_rate=dropout_rate,
-            ordering=ordering, grid=grid, implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, device=device)
+        nsa_args = dict(compress_block=compress_block, compress_stride=compress_stride, select_block=select_block,
+                        num_selected=num_selected, compress=compress, compress_hidden=compress_hidden,
+                        gate_hidden=gate_hidden)
+        # every argument checked here (those the attention kind does not take must stay neutral: the
+        # NSA ones never reach MultiHeadSelfAttention)
+        spec = check_layer_args(d_model, num_heads, num_kv_heads, attention=attention, position=position, rope=rope,
+                                causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
+                                segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
+                                dropout_rate=dropout_rate, ordering=ordering, grid=grid, **nsa_args)
+        if attention == "nsa":
+            nsa_args = {name: getattr(spec.nsa, name) for name in nsa_args}
+            self.attn = NativeSparseAttention(
+                d_model, num_heads, num_kv_heads=num_kv_heads, window=spec.nsa.window, position=position, rope=rope,
+                implementation=implementation, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, device=device,
+                **nsa_args)
+        else:
+            self.attn = MultiHeadSelfAttention(
+                d_model, num_heads, num_kv_heads=num_kv_heads, attention=attention, position=position, rope=rope,
+                causal=causal, window=window, softcap=softcap, decay=decay, learn_decay=learn_decay,
+                segment_lengths=segment_lengths, dilation_rates=dilation_rates, merge=merge,
+                dropout_rate=dropout_rate, ordering=ordering, grid=grid, implementation=implementation,
+                use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, device=device)
         self.dtype, self.dropout_rate = dtype, self.attn.dropout_rate
         factory = dict(dtype=param_dtype, device=device)
         self.ln1 = nn.LayerNorm(d_model, eps=LAYER_NORM_EPS, **factory)
@@ -230,7 +323,10 @@ class EncoderBlock(nn.Module):
     def forward(self, x: torch.Tensor, *, segment_ids=None, positions=None, dropout_seed=None) -> torch.Tensor:
         """x [B, S, d_model] -> [B, S, d_model]; segment_ids / positions / dropout_seed as in the attention."""
         dt = self.dtype
-        attended = self.attn(x, segment_ids=segment_ids, positions=positions, dropout_seed=dropout_seed)
+        if isinstance(self.attn, NativeSparseAttention):
+            attended = self.attn(x, segment_ids=segment_ids, positions=positions)
+        else:
+            attended = self.attn(x, segment_ids=segment_ids, positions=positions, dropout_seed=dropout_seed)
         h = _layer_norm(self.ln1, x + attended, dt)
         m = _linear(self.mlp_out, F.gelu(_linear(self.mlp_in, h, dt), approximate="tanh"), dt)
         return _layer_norm(self.ln2, h + m, dt)
