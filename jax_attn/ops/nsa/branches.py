@@ -6,8 +6,8 @@ row m): the condition is `i <= m - c_o` with `c_o = ceil((block - 1 - o) / strid
 `block / stride` for every slot but the last and one less for the last. So the queries of a slot
 are causal attention over the compressed keys with the queries c rows late: dropping a slot's
 first c rows (they see no block) leaves plain top-left causal attention, row m - c against keys
-<= m - c. The slots go to the batch axis (the compressed keys, 1/stride of the keys, are repeated
-there), two engine calls (`flash_attention`, causal, no offset: the fastest kernels of the device
+<= m - c. The slots join the query heads of each kv head's GQA group (with segment ids, which differ
+per slot, they go to the batch axis, the compressed keys repeated there), two engine calls (`flash_attention`, causal, no offset: the fastest kernels of the device
 serve it) cover every query, and the engine's backward gives the gradients. The engine skips the
 tiles beyond each row's frontier, as for any causal call.
 
@@ -54,11 +54,21 @@ def compression_engine(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float
             outs.append(jnp.zeros((n, batch, rows, num_heads, head_dim), q.dtype))
             lses.append(jnp.full((n, batch, num_heads, rows), -jnp.inf, jnp.float32))
             continue
-        qg = qs[lo:hi, :, offset:].reshape(n * batch, late, num_heads, head_dim)
-        kg, vg = (jnp.broadcast_to(x[None], (n, *x.shape)).reshape(n * batch, *x.shape[1:]) for x in (k_cmp, v_cmp))
-        seg = None if q_ids is None else (ids[lo:hi, :, offset:].reshape(n * batch, late),
-                                          jnp.broadcast_to(kc_ids[None], (n, *kc_ids.shape)).reshape(n * batch, count))
-        out, lse = attention(qg, kg, vg, seg)
+        if q_ids is None:  # the slots join the GQA groups: head h * n + s reads kv head h // G, and the
+            # engine's dK/dV kernel sums a group in fp32, so the compressed keys are neither copied nor
+            # their gradient rounded once per slot
+            qg = qs[lo:hi, :, offset:].transpose(1, 2, 3, 0, 4).reshape(batch, late, num_heads * n, head_dim)
+            out, lse = attention(qg, k_cmp, v_cmp, None)
+            out = out.reshape(batch, late, num_heads, n, head_dim).transpose(3, 0, 1, 2, 4)
+            lse = lse.reshape(batch, num_heads, n, late).transpose(2, 0, 1, 3)
+        else:  # ids differ per slot: the slots go to the batch axis, with copies of the compressed keys made
+            # through fp32 (their gradients add up in fp32)
+            qg = qs[lo:hi, :, offset:].reshape(n * batch, late, num_heads, head_dim)
+            kg, vg = (jnp.broadcast_to(x[None].astype(jnp.float32), (n, *x.shape)).reshape(n * batch, *x.shape[1:])
+                      .astype(x.dtype) for x in (k_cmp, v_cmp))
+            seg = (ids[lo:hi, :, offset:].reshape(n * batch, late),
+                   jnp.broadcast_to(kc_ids[None], (n, *kc_ids.shape)).reshape(n * batch, count))
+            out, lse = attention(qg, kg, vg, seg)
         out = jnp.pad(out.reshape(n, batch, late, num_heads, head_dim), ((0, 0), (0, 0), (offset, 0), (0, 0), (0, 0)))
         lse = jnp.pad(lse.reshape(n, batch, num_heads, late), ((0, 0), (0, 0), (0, 0), (offset, 0)),
                       constant_values=-jnp.inf)
