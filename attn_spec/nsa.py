@@ -56,6 +56,15 @@ def check_block(name: str, value) -> int:
     return value
 
 
+def check_compress_geometry(block, stride) -> tuple[int, int]:
+    """A compression geometry: block and stride powers of two, stride <= block."""
+    block = check_block("block", block)
+    stride = check_block("stride", stride)
+    if stride > block:
+        raise ValueError(f"stride ({stride}) must not exceed block ({block}): blocks would leave keys out")
+    return block, stride
+
+
 @dataclasses.dataclass(frozen=True)
 class NSAConfig:
     compress_block: int = 32

@@ -736,14 +736,6 @@ def selection_attention(q, k, v, block_indices=None, block_counts=None, *, range
     return (out, lse) if return_lse else out
 
 
-def _check_compress_geometry(block, stride):
-    block = nsa.check_block("block", block)
-    stride = nsa.check_block("stride", stride)
-    if stride > block:
-        raise ValueError(f"stride ({stride}) must not exceed block ({block}): blocks would leave keys out")
-    return block, stride
-
-
 def compress_kv(k, v, *, block: int = 32, stride: int = 16, params=None):
     """NSA's compressed keys and values: phi over every complete block i (keys [i * stride,
     i * stride + block)).
@@ -764,7 +756,7 @@ def compress_kv(k, v, *, block: int = 32, stride: int = 16, params=None):
             raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got {name}.shape={x.shape}")
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"k and v must share shape and dtype, got {k.shape=} {k.dtype} and {v.shape=} {v.dtype}")
-    block, stride = _check_compress_geometry(block, stride)
+    block, stride = nsa.check_compress_geometry(block, stride)
     if params is not None:
         if not isinstance(params, (tuple, list)) or len(params) != 2 or isinstance(params, nsa.CompressParams):
             raise TypeError("params must be a pair (CompressParams for k, CompressParams for v) or None")
@@ -823,7 +815,7 @@ def compression_attention(q, k_cmp, v_cmp, *, block: int = 32, stride: int = 16,
 
     Differentiable in q, k_cmp, v_cmp. Returns out [B, S, Hq, D], or (out, lse).
     """
-    block, stride = _check_compress_geometry(block, stride)
+    block, stride = nsa.check_compress_geometry(block, stride)
     _check_compressed(q, k_cmp, v_cmp, block, stride)
     q_ids = _self_attention_ids(q, q, segment_ids)
     spec, call = _nsa_call(q, validation.check_positive("scale", scale), q_ids is not None)
@@ -859,7 +851,7 @@ def select_blocks(q, k_cmp, lse_cmp, *, block: int = 32, stride: int = 16, selec
     Not differentiated. Returns int32 [B, S, Hkv, num_selected]: ascending, -1 in the slots no
     block fills.
     """
-    _check_compressed(q, k_cmp, k_cmp, *_check_compress_geometry(block, stride))
+    _check_compressed(q, k_cmp, k_cmp, *nsa.check_compress_geometry(block, stride))
     config = nsa.check_config(q.shape[1], compress_block=block, compress_stride=stride, select_block=select_block,
                               num_selected=num_selected, window=0)
     validation.check_float_array("lse_cmp", lse_cmp, (q.shape[0], q.shape[2], q.shape[1]))

@@ -80,7 +80,7 @@ def validate_compress(k, v, block, stride, params):
     """-> (block, stride). k, v [B, S, Hkv, D] of one float dtype; params None or a pair of
     `attn_spec.nsa.CompressParams` (for k, for v) of torch tensors."""
     validate(k, k, v, False, None, None, None, None)
-    block, stride = _geometry(block, stride)
+    block, stride = spec.check_compress_geometry(block, stride)
     if params is not None:
         if not isinstance(params, (tuple, list)) or isinstance(params, spec.CompressParams) or len(params) != 2:
             raise TypeError("params must be None or a pair (CompressParams for k, CompressParams for v), got "
@@ -97,18 +97,10 @@ def validate_compress(k, v, block, stride, params):
     return block, stride
 
 
-def _geometry(block, stride):
-    block = spec.check_block("block", block)
-    stride = spec.check_block("stride", stride)
-    if stride > block:
-        raise ValueError(f"stride ({stride}) must not exceed block ({block}): blocks would leave keys out")
-    return block, stride
-
-
 def validate_compression(q, k_cmp, v_cmp, block, stride, scale, segment_ids):
     """-> (scale, block, stride). k_cmp, v_cmp [B, Nc, Hkv, D] with Nc the compressed count of S."""
     scale, _, _, _, _ = validate(q, k_cmp, v_cmp, False, scale, None, None, None)
-    block, stride = _geometry(block, stride)
+    block, stride = spec.check_compress_geometry(block, stride)
     nc = spec.compressed_count(q.shape[1], block, stride)
     if k_cmp.shape[1] != nc:
         raise ValueError(f"k_cmp must hold the {nc} compression blocks of a sequence of {q.shape[1]} (block "
