@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import datetime
 import json
 import os
 import tempfile
@@ -34,8 +35,8 @@ from typing import Any, Callable, Iterable
 FORMAT_VERSION = 1
 ENV_VAR = "JAX_ATTN_CACHE"
 
-__all__ = ["CacheError", "ENV_VAR", "FORMAT_VERSION", "Probe", "cache_key", "candidate_configs", "config_from_json",
-           "config_to_json", "default_path", "load", "lookup", "probe", "select", "shape_class", "store"]
+__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "cache_key", "candidate_configs", "config_from_json",
+           "config_to_json", "default_path", "load", "lookup", "probe", "record_of", "select", "shape_class", "store"]
 
 
 class CacheError(ValueError):
@@ -222,6 +223,11 @@ class Probe:
     variant: str | None = None
     call: Any = None
     key: str | None = None
+    stop: bool = False  # raise ProbeStop once recorded: the call does not run
+
+
+class ProbeStop(Exception):
+    """Raised by `select` inside `probe(stop=True)` once the call's choice is recorded."""
 
 
 _PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("attn_autotune_probe", default=None)
@@ -229,20 +235,26 @@ _PATH: contextvars.ContextVar[Any] = contextvars.ContextVar("attn_autotune_path"
 
 
 @contextlib.contextmanager
-def probe():
-    """Record the first selection made inside the block."""
-    p = Probe()
+def probe(stop: bool = False):
+    """Record the first selection made inside the block (stop=True: and end that call there, by
+    raising ProbeStop, which the block swallows)."""
+    p = Probe(stop=stop)
     token = _PROBE.set(p)
     try:
         yield p
+    except ProbeStop:
+        pass
     finally:
         _PROBE.reset(token)
 
 
+DISABLED = "<no cache>"  # `using_path(DISABLED)`: calls read no cache
+
+
 @contextlib.contextmanager
 def using_path(path):
-    """Calls inside the block read the cache at `path` (the autotuner's timing runs use it so that
-    its own explicit implementation and config are what run)."""
+    """Calls inside the block read the cache at `path` (None: the default path; `DISABLED`: none,
+    so that the autotuner's timing runs run exactly the implementation and config they name)."""
     token = _PATH.set(path)
     try:
         yield
@@ -258,12 +270,14 @@ def select(registry, variant: str, implementation, config, call, key: Callable[[
     p = _PROBE.get()
     if p is not None and p.key is None:
         p.registry, p.variant, p.call, p.key = registry, variant, call, key()
+        if p.stop:
+            raise ProbeStop
+    path = path if path is not None else _PATH.get()
     record = None
-    if config is None:
-        record = lookup(key(), path if path is not None else _PATH.get())
+    if config is None and path != DISABLED:
+        record = lookup(key(), path)
     if record is not None:
-        chosen = _from_record(registry, variant, implementation, call, record, key(),
-                              path if path is not None else _PATH.get())
+        chosen = _from_record(registry, variant, implementation, call, record, key(), path)
         if chosen is not None:
             return chosen
     entry = registry.resolve(variant, implementation, call)
@@ -296,7 +310,20 @@ def _from_record(registry, variant, implementation, call, record, key, path):
     return entry, config
 
 
-def best(rows: Iterable[dict]) -> dict | None:
-    """The fastest timed row (rows: dicts with 'ms', None where the candidate failed)."""
-    timed = [r for r in rows if r.get("ms") is not None]
-    return min(timed, key=lambda r: r["ms"]) if timed else None
+def record_of(rows: Iterable[dict], mode: str, versions: dict[str, str]) -> tuple[dict, dict] | None:
+    """(fastest row, cache entry) of the timed candidates (rows: dicts with implementation, config
+    and ms, None where the candidate failed), or None when none ran. The entry keeps the fastest
+    implementation and every timed implementation's fastest config and time."""
+    per_impl: dict[str, dict] = {}
+    for r in rows:
+        if r.get("ms") is not None and (r["implementation"] not in per_impl
+                                        or r["ms"] < per_impl[r["implementation"]]["ms"]):
+            per_impl[r["implementation"]] = r
+    if not per_impl:
+        return None
+    fastest = min(per_impl.values(), key=lambda r: r["ms"])
+    record = {"implementation": fastest["implementation"],
+              "configs": {n: config_to_json(r["config"]) for n, r in per_impl.items()},
+              "ms": {n: r["ms"] for n, r in per_impl.items()}, "mode": mode, **versions,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return fastest, record

@@ -13,7 +13,6 @@ run stay out), then `reps` calls each closed by `jax.block_until_ready`; the med
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -82,8 +81,8 @@ def time_call(f: Callable, args: Sequence, *, mode: str = "fwd", warmup: int = 1
 
 
 def _probe(fn, args, kwargs, cache=None):
-    with tuning.probe() as p, tuning.using_path(cache):
-        jax.eval_shape(lambda *a: fn(*a, **kwargs), *args)
+    with tuning.using_path(cache), tuning.probe(stop=True) as p:
+        fn(*args, **kwargs)  # stopped at its choice: nothing runs
     if p.key is None:
         raise ValueError(f"{getattr(fn, '__name__', fn)!r} made no implementation choice that the autotuner can "
                          f"key (it serves the functions that take implementation= and config=, e.g. "
@@ -150,31 +149,20 @@ def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None, 
         for config in _candidates(entry, p.call, configs, max_configs, (args[0].shape[1], args[1].shape[1])):
             row = {"implementation": name, "config": config, "ms": None, "error": None}
             try:
-                with tuning.using_path(_NO_CACHE):  # the candidate runs as given, whatever the cache holds
+                with tuning.using_path(tuning.DISABLED):  # the candidate runs as given, whatever the cache holds
                     row["ms"] = time_call(lambda *a, _n=name, _c=config: fn(*a, implementation=_n, config=_c,
                                                                            **kwargs),
                                           args, mode=mode, warmup=warmup, reps=reps)
             except Exception as e:  # a tile that does not compile here (e.g. shared memory) is no answer
                 row["error"] = f"{type(e).__name__}: {e}"
             rows.append(row)
-    best = tuning.best(rows)
-    if best is None:
+    result = tuning.record_of(rows, mode, {"jax": jax.__version__})
+    if result is None:
         raise RuntimeError(f"autotune: no candidate ran for {p.key}: " +
                            "; ".join(f"{r['implementation']} {r['config']}: {r['error']}" for r in rows))
-    per_impl = {}
-    for r in rows:
-        if r["ms"] is not None and (r["implementation"] not in per_impl or r["ms"] < per_impl[r["implementation"]]["ms"]):
-            per_impl[r["implementation"]] = r
-    record = {"implementation": best["implementation"],
-              "configs": {n: tuning.config_to_json(r["config"]) for n, r in per_impl.items()},
-              "ms": {n: r["ms"] for n, r in per_impl.items()}, "mode": mode, "jax": jax.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    best, record = result
     path = tuning.store(p.key, record, cache) if store else None
     return TuneResult(p.key, best["implementation"], best["config"], best["ms"], tuple(rows), path)
-
-
-# A path that never exists: timing runs and benchmark rows read no cache entry.
-_NO_CACHE = "/nonexistent/jax_attn-autotune-disabled.json"
 
 
 # ------------------------------------------------------------------------------------------------
