@@ -275,9 +275,10 @@ def select(registry, variant: str, implementation, config, call, key: Callable[[
     path = path if path is not None else _PATH.get()
     record = None
     if config is None and path != DISABLED:
-        record = lookup(key(), path)
+        key = key()
+        record = lookup(key, path)
     if record is not None:
-        chosen = _from_record(registry, variant, implementation, call, record, key(), path)
+        chosen = _from_record(registry, variant, implementation, call, record, key, path)
         if chosen is not None:
             return chosen
     entry = registry.resolve(variant, implementation, call)

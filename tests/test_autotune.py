@@ -294,3 +294,22 @@ def test_torch_autotune_and_benchmark_backends(tmp_path, monkeypatch):
         assert by[name]["reason"] is None and by[name]["ms_fwd"] > 0 and by[name]["ms_fwd_bwd"] > 0
     for r in rows:  # every row either ran or says why not
         assert (r["ms_fwd"] is None) == (r["reason"] is not None)
+
+
+@pytest.mark.gpu
+def test_gpu_autotune_then_config_none_runs_the_tuned_choice(tmp_path, monkeypatch):
+    path = tmp_path / "c.json"
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (1, 2048, 8, 128), jnp.bfloat16) for kk in keys)
+    result = jax_attn.autotune(jax_attn.flash_attention, q, k, v, causal=True, reps=3, max_configs=4, cache=path)
+    assert {r["implementation"] for r in result.rows} >= {"triton", "xla"}
+    assert all(r["error"] is None for r in result.rows if r["config"] == result.rows[0]["config"])
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    out = jax_attn.flash_attention(q, k, v, causal=True)
+    expected = jax_attn.flash_attention(q, k, v, causal=True, implementation=result.implementation,
+                                        config=result.config)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+    rows = jax_attn.benchmark_backends(q, k, v, causal=True, reps=3)
+    by = {r["implementation"]: r for r in rows}
+    assert by["jax.nn:cudnn"]["ms_fwd"] is not None or by["jax.nn:cudnn"]["reason"]
+    assert by[result.implementation]["config"] == result.config
