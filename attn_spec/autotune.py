@@ -35,8 +35,9 @@ from typing import Any, Callable, Iterable
 FORMAT_VERSION = 1
 ENV_VAR = "JAX_ATTN_CACHE"
 
-__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "cache_key", "candidate_configs", "config_from_json",
-           "config_to_json", "default_path", "load", "lookup", "probe", "record_of", "select", "shape_class", "store"]
+__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "cache_key",
+           "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup", "probe",
+           "record_of", "select", "shape_class", "store", "using_path"]
 
 
 class CacheError(ValueError):

@@ -114,13 +114,15 @@ def _candidates(entry, call, configs, max_configs, lengths):
     return tuning.candidate_configs(registry.check_config(entry, None, call), valid, max_configs, canonical)
 
 
-def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None, configs=None, mode: str = "fwd+bwd",
-             warmup: int = 1, reps: int = 5, max_configs: int = 8, cache=None, store: bool = True,
-             **kwargs) -> TuneResult:
+def autotune(fn: Callable, *args, variant: str | None = None, implementations: Sequence[str] | None = None,
+             configs=None, mode: str = "fwd+bwd", warmup: int = 1, reps: int = 5, max_configs: int = 8, cache=None,
+             store: bool = True, **kwargs) -> TuneResult:
     """Time every (implementation, config) that can serve `fn(*args, **kwargs)` and cache the fastest.
 
     fn: a public function that takes implementation= and config= (e.g. `jax_attn.flash_attention`);
       args, kwargs: one call of it (its keyword arguments other than implementation and config).
+    variant: optional check: the variant `fn` chooses for (found by tracing the call; ValueError if
+      it differs).
     implementations: names to time (default: every implementation of the variant that can serve the
       call, by the registry's `unsupported_reason`); an explicit one that cannot serve it raises.
     configs: candidate configs, a list (each used by the implementations whose config type it is)
@@ -137,6 +139,9 @@ def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None, 
         raise TypeError("autotune chooses implementation and config; pass neither")
     kwargs.pop("return_lse", None)  # the output alone is timed
     p = _probe(fn, args, kwargs, cache)
+    if variant is not None and variant != p.variant:
+        raise ValueError(f"variant={variant!r}, but {getattr(fn, '__name__', fn)!r} chooses for "
+                         f"variant {p.variant!r}")
     names = tuple(p.registry[p.variant]) if implementations is None else tuple(
         p.registry.canonical(p.variant, n) for n in implementations)
     rows = []
@@ -146,7 +151,8 @@ def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None, 
             if implementations is not None:
                 raise NotImplementedError(f"implementation={name!r} cannot serve this call: {reason}")
             continue
-        for config in _candidates(entry, p.call, configs, max_configs, (args[0].shape[1], args[1].shape[1])):
+        lengths = (args[0].shape[1], args[1].shape[1])
+        for config in _candidates(entry, p.call, configs, max_configs, lengths):
             row = {"implementation": name, "config": config, "ms": None, "error": None}
             try:
                 with tuning.using_path(tuning.DISABLED):  # the candidate runs as given, whatever the cache holds

@@ -5,7 +5,6 @@ Every test names its own cache file under tmp_path (conftest points the default 
 temporary folder, so no test reads a developer's ~/.cache)."""
 import json
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +69,8 @@ def torch_kernel_config(monkeypatch):
     class Fake:
         @staticmethod
         def apply(*args):
-            seen.append(args[12])  # (q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos, config, ...)
+            # (q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos, config, ...)
+            seen.append(args[12])
             raise _Seen
 
     monkeypatch.setattr(kernels, "FlashAttentionFn", Fake)

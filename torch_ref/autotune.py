@@ -115,9 +115,9 @@ def _candidates(entry, call, configs, max_configs, lengths):
     return tuning.candidate_configs(registry.check_config(entry, None, call), valid, max_configs, canonical)
 
 
-def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None, configs=None, mode: str = "fwd+bwd",
-             warmup: int = 1, reps: int = 5, max_configs: int = 8, cache=None, store: bool = True,
-             **kwargs) -> TuneResult:
+def autotune(fn: Callable, *args, variant: str | None = None, implementations: Sequence[str] | None = None,
+             configs=None, mode: str = "fwd+bwd", warmup: int = 1, reps: int = 5, max_configs: int = 8, cache=None,
+             store: bool = True, **kwargs) -> TuneResult:
     """Time every (implementation, config) that can serve `fn(*args, **kwargs)` (e.g.
     `torch_ref.flash_attention`) and store the fastest in the cache; the arguments are those of
     `jax_attn.autotune`. A candidate that fails to compile or run is recorded with its error."""
@@ -126,6 +126,9 @@ def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None, 
         raise TypeError("autotune chooses implementation and config; pass neither")
     kwargs.pop("return_lse", None)
     p = _probe(fn, args, kwargs, cache)
+    if variant is not None and variant != p.variant:
+        raise ValueError(f"variant={variant!r}, but {getattr(fn, '__name__', fn)!r} chooses for "
+                         f"variant {p.variant!r}")
     names = tuple(p.registry[p.variant]) if implementations is None else tuple(
         p.registry.canonical(p.variant, n) for n in implementations)
     rows = []
@@ -135,7 +138,8 @@ def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None, 
             if implementations is not None:
                 raise NotImplementedError(f"implementation={name!r} cannot serve this call: {reason}")
             continue
-        for config in _candidates(entry, p.call, configs, max_configs, (args[0].shape[1], args[1].shape[1])):
+        lengths = (args[0].shape[1], args[1].shape[1])
+        for config in _candidates(entry, p.call, configs, max_configs, lengths):
             row = {"implementation": name, "config": config, "ms": None, "error": None}
             try:
                 with tuning.using_path(tuning.DISABLED):
