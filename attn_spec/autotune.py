@@ -275,9 +275,9 @@ def select(registry, variant: str, implementation, config, call, key: Callable[[
             raise ProbeStop
     path = path if path is not None else _PATH.get()
     record = None
-    if config is None and path != DISABLED:
+    if config is None and path != DISABLED and (entries := load(path)):  # no file: the key is not even built
         key = key()
-        record = lookup(key, path)
+        record = entries.get(key)
     if record is not None:
         chosen = _from_record(registry, variant, implementation, call, record, key, path)
         if chosen is not None:

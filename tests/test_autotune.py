@@ -313,3 +313,18 @@ def test_gpu_autotune_then_config_none_runs_the_tuned_choice(tmp_path, monkeypat
     by = {r["implementation"]: r for r in rows}
     assert by["jax.nn:cudnn"]["ms_fwd"] is not None or by["jax.nn:cudnn"]["reason"]
     assert by[result.implementation]["config"] == result.config
+
+
+def test_autotune_argument_errors(tmp_path):
+    q, k, v = _jax_qkv()
+    with pytest.raises(ValueError, match="variant='nsa', but 'flash_attention' chooses for variant 'softmax'"):
+        jax_attn.autotune(jax_attn.flash_attention, q, k, v, variant="nsa", cache=tmp_path / "c.json")
+    with pytest.raises(NotImplementedError, match="implementation='mosaic' cannot serve this call"):
+        jax_attn.autotune(jax_attn.flash_attention, q, k, v, implementations=["mosaic"], cache=tmp_path / "c.json")
+    with pytest.raises(TypeError, match="pass neither"):
+        jax_attn.autotune(jax_attn.flash_attention, q, k, v, config=DISTINCT, cache=tmp_path / "c.json")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        torch_ref.autotune(torch_ref.flash_attention, *_torch_qkv(), mode="bwd", cache=tmp_path / "c.json")
+    with pytest.raises(ValueError, match="made no implementation choice"):
+        jax_attn.autotune(lambda q, k, v: q, q, k, v, cache=tmp_path / "c.json")
+    assert not (tmp_path / "c.json").exists()
