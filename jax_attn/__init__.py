@@ -28,9 +28,10 @@ from jax_attn.ops.stick_breaking.reference import stick_breaking_reference
 from jax_attn.ops.stick_breaking.triton import StickBreakingBlockSizes, default_stick_breaking_block_sizes
 from jax_attn.registry import IMPLEMENTATIONS, UnknownImplementationError, default_implementation
 from jax_attn import orderings  # space-filling-curve permutations
+from jax_attn.autotune import CacheError, TuneResult, autotune, benchmark_backends
 
 __all__ = [
-    "AttentionSpec", "BlockSizes", "DeviceInfo", "dilated_attention", "IMPLEMENTATIONS", "attention_reference",
+    "AttentionSpec", "BlockSizes", "CacheError", "TuneResult", "autotune", "benchmark_backends", "DeviceInfo", "dilated_attention", "IMPLEMENTATIONS", "attention_reference",
     "default_block_sizes", "default_implementation", "device_info", "flash_attention", "flash_attention_varlen",
     "MosaicBlockSizes", "default_mosaic_block_sizes", "recommended_dtype", "Rope", "apply_rope",
     "EncoderBlock", "MultiHeadSelfAttention", "attention_fn", "make_attention_fn", "sinusoidal_positions",

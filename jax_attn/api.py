@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_spec import autotune as tuning
 from attn_spec import dilation, nsa, varlen
 from jax_attn import orderings, registry
+from jax_attn.device import device_info
 from jax_attn.ops.common import validation
 from jax_attn.ops.common.rope import Rope, apply_rope
 from jax_attn.ops.ring import dilated as ring_dilated
@@ -22,6 +24,18 @@ from jax_attn.ops.nsa import branches as nsa_branches
 from jax_attn.ops.nsa import importance as nsa_importance
 from jax_attn.ops.nsa import plan as nsa_plan
 from jax_attn.ops.nsa import reference as nsa_reference
+
+
+def softmax_cache_key(q_shape, k_shape, call: registry.Call) -> str:
+    """The autotune cache key of a softmax call (`attn_spec.autotune`): device kind, shape class,
+    dtype and the spec's features that change which kernels run."""
+    spec = call.spec
+    flags = dict(causal=spec.causal, window=spec.window_left is not None or spec.window_right is not None,
+                 softcap=spec.softcap is not None, segments=spec.has_segments, rope=spec.rope is not None,
+                 positions=call.positions, alibi=spec.alibi, dropout=spec.dropout > 0, ordered=spec.ordered,
+                 offset=spec.offset != 0)
+    shape = tuning.shape_class(q_shape[1], k_shape[1], q_shape[3], q_shape[2], k_shape[2])
+    return tuning.cache_key("jax", device_info().name, "softmax", shape, jnp.dtype(call.dtype).name, flags)
 
 
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -138,8 +152,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         has_segments=q_ids is not None, precision=validation.fp32_precision(q.dtype), rope=rope, offset=offset,
         alibi=slopes is not None, dropout=rate, ordered=order is not None)
     call = registry.Call(spec, head_dim, q.dtype, positions=q_pos is not None)
-    entry = registry.resolve("softmax", implementation, call)
-    config = registry.check_config(entry, config, call)
+    entry, config = tuning.select(registry.REGISTRY, "softmax", implementation, config, call,
+                                  lambda: softmax_cache_key(q.shape, k.shape, call))
     extra = {} if order is None else {"order": order}
     out, lse = entry.fn(q, k, v, q_ids, kv_ids, spec, q_pos=q_pos, kv_pos=kv_pos, slopes=slopes, seed=seed,
                         config=config, **extra)

@@ -22,6 +22,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 
+# The autotune cache (attn_spec.autotune) is read by implementation=None / config=None: tests never
+# read a developer's ~/.cache file; they see a path in a fresh temporary folder, with no file in it.
+import tempfile  # noqa: E402
+
+os.environ["JAX_ATTN_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="jax_attn-test-cache-"), "autotune.json")
+
+
 # The library must work under jax's strict settings (its own test suites run under them): every
 # test here does, so that an implicit rank or dtype promotion anywhere fails loudly.
 import jax  # noqa: E402

@@ -27,6 +27,7 @@ from .nn.positions import sinusoidal_positions
 from .ops.common.rope import Rope, apply_rope
 from .registry import IMPLEMENTATIONS, UnknownImplementationError, resolve_implementation
 from . import orderings  # space-filling-curve permutations
+from .autotune import CacheError, TuneResult, autotune, benchmark_backends
 
 __all__ = ["flash_attention", "flash_attention_reference", "flash_attention_varlen", "Rope", "apply_rope",
            "BlockSizes", "default_block_sizes",
@@ -36,7 +37,7 @@ __all__ = ["flash_attention", "flash_attention_reference", "flash_attention_varl
            "CompressMLP", "NativeSparseAttention",
            "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "dilated_attention", "orderings",
            "selection_attention", "compress_kv", "compression_attention", "select_blocks", "nsa_attention",
-           "NSABlockSizes", "default_nsa_block_sizes"]
+           "NSABlockSizes", "default_nsa_block_sizes", "CacheError", "TuneResult", "autotune", "benchmark_backends"]
 
 
 def __getattr__(name):

@@ -18,6 +18,7 @@ import types
 
 import torch
 
+from attn_spec import autotune as tuning
 from attn_spec import varlen
 
 from . import orderings, registry
@@ -40,6 +41,18 @@ __all__ = ["flash_attention", "flash_attention_reference", "stick_breaking_atten
 # ----------------------------------------------------------------------------------------------
 # Softmax attention
 # ----------------------------------------------------------------------------------------------
+def device_kind(device: torch.device) -> str:
+    """The device's name as the autotune cache keys it: the CUDA device name (as JAX's device_kind,
+    e.g. "NVIDIA H100 80GB HBM3"), else the device type ("cpu")."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def softmax_cache_key(q_shape, k_shape, device, dtype, flags) -> str:
+    """The autotune cache key of a softmax call (`attn_spec.autotune`)."""
+    shape = tuning.shape_class(q_shape[1], k_shape[1], q_shape[3], q_shape[2], k_shape[2])
+    return tuning.cache_key("torch", device_kind(device), "softmax", shape, str(dtype).removeprefix("torch."), flags)
+
+
 def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
                     rope=None, positions=None, q_offset=0, kv_offset=0, alibi_slopes=None, dropout_rate=0.0,
                     dropout_seed=None, generator=None, ordering=None, grid=None, return_lse=False, implementation=None,
@@ -132,8 +145,12 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
             raise NotImplementedError("ordering with a window does not combine with rope, alibi_slopes, dropout "
                                       "or q_offset/kv_offset")
     call = registry.Call.of(q)
-    entry = registry.resolve("softmax", implementation, call)
-    config = registry.check_config(entry, config, call)
+    flags = dict(causal=bool(causal), window=window is not None, softcap=softcap is not None,
+                 segments=q_ids is not None, rope=rope is not None, positions=positions is not None,
+                 alibi=alibi is not None, dropout=bool(dropout_rate), ordered=order is not None,
+                 offset=q_offset != kv_offset)
+    entry, config = tuning.select(registry.REGISTRY, "softmax", implementation, config, call,
+                                  lambda: softmax_cache_key(q.shape, k.shape, q.device, q.dtype, flags))
     dropout = validate_dropout(dropout_rate, dropout_seed, generator)  # last: a drawn seed advances the generator
     extra = {} if order is None else {"order": order}
     out, lse = entry.fn(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,

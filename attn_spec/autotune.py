@@ -1,0 +1,331 @@
+"""The autotuner's cache, both frameworks: keys, shape classes, candidate configs, the JSON file, and
+the rule by which implementation=None / config=None read it (docs/design/autotune.md).
+
+A key is (framework, device kind, variant, shape class, dtype, flags): the shape class buckets the
+sequence lengths to powers of two and keeps the head dim and the GQA group size exactly; the flags
+are the features of the call that change which kernels run (causal, window, softcap, segments,
+RoPE, ALiBi, dropout, ordering, offsets). An entry stores the fastest implementation and, for every
+implementation that was timed, its fastest config, so an explicit implementation with config=None
+reads its own tuned config.
+
+The file: `$JAX_ATTN_CACHE` if set, else `$XDG_CACHE_HOME/jax_attn/autotune.json` (default
+`~/.cache/jax_attn/autotune.json`); every function takes `path=` to override both. Written
+atomically (a temporary file in the same folder, then `os.replace`). Reading:
+  - no file: no entry (the heuristic, exactly as without an autotuner);
+  - a file that is not valid JSON or not of this format: `CacheError` (a ValueError) naming the
+    file. Raised, not warned: a warning would let every later call silently run untuned configs;
+    the fix (delete or re-tune the file) is the user's and the message says which file;
+  - a well-formed entry that cannot serve the call it matches (its implementation cannot serve
+    it, or its config fails the implementation's checks, e.g. a file written by another version):
+    a `RuntimeWarning` naming the file and key, and the call runs as if there were no entry.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import datetime
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+FORMAT_VERSION = 1
+ENV_VAR = "JAX_ATTN_CACHE"
+
+__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "cache_key",
+           "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup", "probe",
+           "record_of", "select", "shape_class", "store", "using_path"]
+
+
+class CacheError(ValueError):
+    """The autotune cache file cannot be read: its path and what is wrong."""
+
+
+def default_path() -> Path:
+    """`$JAX_ATTN_CACHE`, else `$XDG_CACHE_HOME/jax_attn/autotune.json` (`~/.cache` by default)."""
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jax_attn" / "autotune.json"
+
+
+def _path(path) -> Path:
+    return default_path() if path is None else Path(path).expanduser()
+
+
+def _bucket(n: int) -> int:
+    """The power of two >= n (lengths within a factor of two share tiles)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def shape_class(q_len: int, kv_len: int, head_dim: int, num_q_heads: int, num_kv_heads: int) -> str:
+    """Sequence lengths bucketed to powers of two; head dim and GQA group size exact."""
+    for name, value in (("q_len", q_len), ("kv_len", kv_len), ("head_dim", head_dim), ("num_q_heads", num_q_heads),
+                        ("num_kv_heads", num_kv_heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_q_heads={num_q_heads}")
+    return f"sq{_bucket(q_len)}-sk{_bucket(kv_len)}-d{head_dim}-g{num_q_heads // num_kv_heads}"
+
+
+def cache_key(framework: str, device_kind: str, variant: str, shape: str, dtype: str, flags: dict[str, Any]) -> str:
+    """One string per (framework, device kind, variant, shape class, dtype, flags); flags sorted by
+    name, so the key does not depend on the order they are given in."""
+    flag_text = ",".join(f"{name}={int(value) if isinstance(value, bool) else value}"
+                         for name, value in sorted(flags.items()))
+    return "|".join((framework, device_kind, variant, shape, str(dtype), flag_text))
+
+
+# ------------------------------------------------------------------------------------------------
+# configs <-> JSON
+# ------------------------------------------------------------------------------------------------
+def config_to_json(config) -> dict | None:
+    if config is None:
+        return None
+    return {"type": type(config).__name__, "fields": dataclasses.asdict(config)}
+
+
+def config_from_json(data, config_type: type | None):
+    """The config `data` describes, as `config_type`; TypeError/ValueError when it does not fit."""
+    if data is None:
+        if config_type is not None:
+            raise ValueError(f"no config stored, a {config_type.__name__} is needed")
+        return None
+    if config_type is None:
+        raise ValueError(f"the implementation takes no config, {data!r} stored")
+    if data.get("type") != config_type.__name__:
+        raise ValueError(f"config type {data.get('type')!r} stored, a {config_type.__name__} is needed")
+    return config_type(**data["fields"])
+
+
+# ------------------------------------------------------------------------------------------------
+# the file
+# ------------------------------------------------------------------------------------------------
+_MEMO: dict[Path, tuple[tuple[int, int], dict]] = {}  # path -> ((mtime_ns, size), entries): one parse per change
+
+
+def _check_format(data, path: Path) -> dict:
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION or not isinstance(data.get("entries"), dict):
+        raise CacheError(f"autotune cache {str(path)!r} is not a version-{FORMAT_VERSION} cache "
+                         f"({{'version': {FORMAT_VERSION}, 'entries': {{...}}}}); delete it or re-run autotune")
+    for key, record in data["entries"].items():
+        if (not isinstance(record, dict) or not isinstance(record.get("implementation"), str)
+                or not isinstance(record.get("configs"), dict)
+                or record["implementation"] not in record["configs"]
+                or not all(c is None or (isinstance(c, dict) and isinstance(c.get("type"), str)
+                                         and isinstance(c.get("fields"), dict)) for c in record["configs"].values())):
+            raise CacheError(f"autotune cache {str(path)!r}: entry {key!r} is malformed ({record!r}); "
+                             f"delete the file or re-run autotune")
+    return data["entries"]
+
+
+def load(path=None) -> dict[str, dict]:
+    """key -> entry of the cache file (empty when there is no file); CacheError if it is corrupt."""
+    path = _path(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return {}
+    stamp = (st.st_mtime_ns, st.st_size)
+    if (memo := _MEMO.get(path)) is not None and memo[0] == stamp:
+        return memo[1]
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheError(f"autotune cache {str(path)!r} cannot be read: {e}; delete it or re-run autotune") from e
+    entries = _check_format(data, path)
+    _MEMO[path] = (stamp, entries)
+    return entries
+
+
+def lookup(key: str, path=None) -> dict | None:
+    return load(path).get(key)
+
+
+def store(key: str, record: dict, path=None) -> Path:
+    """Add or replace one entry, atomically (a corrupt existing file raises CacheError, untouched)."""
+    path = _path(path)
+    entries = dict(load(path))
+    entries[key] = record
+    _check_format({"version": FORMAT_VERSION, "entries": {key: record}}, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": FORMAT_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# candidates
+# ------------------------------------------------------------------------------------------------
+_FWD_BLOCKS = ("block_q", "block_k")
+
+
+def candidate_configs(default, valid: Callable[[Any], bool], max_configs: int = 8,
+                      canonical: Callable[[Any], Any] = lambda config: config) -> list:
+    """`default` first, then its neighbours (forward tiles, backward tiles, single tile sides doubled
+    and halved; pipeline stages one more and one fewer), each built through the config class (so its
+    own checks apply) and kept where `valid(config)` (the registry's checks for the call); at most
+    `max_configs`, duplicates dropped (two configs are the same when `canonical` maps them to equal
+    values: e.g. `BlockSizes.fitted(q_len, kv_len)`, tiles larger than the sequence run as smaller ones)."""
+    if default is None:
+        return [None]
+    fields = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
+    ints = [n for n, v in fields.items() if isinstance(v, int) and not isinstance(v, bool)]
+    blocks = [n for n in ints if n.startswith("block_")]
+    fwd = [n for n in blocks if n in _FWD_BLOCKS]
+    bwd = [n for n in blocks if n not in _FWD_BLOCKS]
+    stages = [n for n in ints if n.startswith("num_stages")]
+    changes: list[dict] = []
+    for group in (fwd, bwd):
+        for factor in (2, 0.5):
+            if group:
+                changes.append({n: int(fields[n] * factor) for n in group})
+    for n in blocks:
+        for factor in (2, 0.5):
+            changes.append({n: int(fields[n] * factor)})
+    for n in stages:
+        for step in (1, -1):
+            changes.append({n: fields[n] + step})
+    out, seen = [default], {canonical(default)}
+    for change in changes:
+        if len(out) >= max_configs:
+            break
+        try:
+            config = dataclasses.replace(default, **change)
+        except (TypeError, ValueError):
+            continue
+        if canonical(config) not in seen and valid(config):
+            out.append(config)
+            seen.add(canonical(config))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the call-time rule
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Probe:
+    """What a public function's selection saw (filled while `probe()` is active): the autotuner
+    learns a call's key and registry `Call` by tracing the function once."""
+
+    registry: Any = None
+    variant: str | None = None
+    call: Any = None
+    key: str | None = None
+    stop: bool = False  # raise ProbeStop once recorded: the call does not run
+
+
+class ProbeStop(Exception):
+    """Raised by `select` inside `probe(stop=True)` once the call's choice is recorded."""
+
+
+_PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("attn_autotune_probe", default=None)
+_PATH: contextvars.ContextVar[Any] = contextvars.ContextVar("attn_autotune_path", default=None)
+
+
+@contextlib.contextmanager
+def probe(stop: bool = False):
+    """Record the first selection made inside the block (stop=True: and end that call there, by
+    raising ProbeStop, which the block swallows)."""
+    p = Probe(stop=stop)
+    token = _PROBE.set(p)
+    try:
+        yield p
+    except ProbeStop:
+        pass
+    finally:
+        _PROBE.reset(token)
+
+
+DISABLED = "<no cache>"  # `using_path(DISABLED)`: calls read no cache
+
+
+@contextlib.contextmanager
+def using_path(path):
+    """Calls inside the block read the cache at `path` (None: the default path; `DISABLED`: none,
+    so that the autotuner's timing runs run exactly the implementation and config they name)."""
+    token = _PATH.set(path)
+    try:
+        yield
+    finally:
+        _PATH.reset(token)
+
+
+def select(registry, variant: str, implementation, config, call, key: Callable[[], str], path=None):
+    """(entry, config) of a call: `registry.resolve` and `registry.check_config`, except that with
+    config=None an entry of the cache for `key()` is read: implementation=None takes the entry's
+    implementation and its config, an explicit implementation takes its own tuned config if the
+    entry has one. No file, no entry, or a config given: exactly the registry's choice."""
+    p = _PROBE.get()
+    if p is not None and p.key is None:
+        p.registry, p.variant, p.call, p.key = registry, variant, call, key()
+        if p.stop:
+            raise ProbeStop
+    path = path if path is not None else _PATH.get()
+    record = None
+    if config is None and path != DISABLED and (entries := load(path)):  # no file: the key is not even built
+        key = key()
+        record = entries.get(key)
+    if record is not None:
+        chosen = _from_record(registry, variant, implementation, call, record, key, path)
+        if chosen is not None:
+            return chosen
+    entry = registry.resolve(variant, implementation, call)
+    return entry, registry.check_config(entry, config, call)
+
+
+def _from_record(registry, variant, implementation, call, record, key, path):
+    name = record["implementation"] if implementation is None else registry.canonical(variant, implementation)
+    if name not in record["configs"]:
+        return None  # an explicit implementation that was not timed: its default
+    entry = registry[variant].get(name)
+    where = f"autotune cache {str(_path(path))!r}, entry {key!r}"
+    if entry is None:
+        warnings.warn(f"{where}: unknown implementation {name!r}; using the default choice", RuntimeWarning,
+                      stacklevel=4)
+        return None
+    if reason := entry.unsupported_reason(call):
+        if implementation is not None:  # the user asked for it: the registry's error, not the cache's
+            return None
+        warnings.warn(f"{where}: implementation {name!r} cannot serve this call ({reason}); using the default "
+                      f"choice", RuntimeWarning, stacklevel=4)
+        return None
+    try:
+        config = config_from_json(record["configs"][name], entry.config_type())
+        config = registry.check_config(entry, config, call)
+    except (TypeError, ValueError) as e:
+        warnings.warn(f"{where}: stored config for {name!r} does not fit ({e}); using the default choice",
+                      RuntimeWarning, stacklevel=4)
+        return None
+    return entry, config
+
+
+def record_of(rows: Iterable[dict], mode: str, versions: dict[str, str]) -> tuple[dict, dict] | None:
+    """(fastest row, cache entry) of the timed candidates (rows: dicts with implementation, config
+    and ms, None where the candidate failed), or None when none ran. The entry keeps the fastest
+    implementation and every timed implementation's fastest config and time."""
+    per_impl: dict[str, dict] = {}
+    for r in rows:
+        if r.get("ms") is not None and (r["implementation"] not in per_impl
+                                        or r["ms"] < per_impl[r["implementation"]]["ms"]):
+            per_impl[r["implementation"]] = r
+    if not per_impl:
+        return None
+    fastest = min(per_impl.values(), key=lambda r: r["ms"])
+    record = {"implementation": fastest["implementation"],
+              "configs": {n: config_to_json(r["config"]) for n, r in per_impl.items()},
+              "ms": {n: r["ms"] for n, r in per_impl.items()}, "mode": mode, **versions,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return fastest, record
