@@ -329,3 +329,110 @@ def record_of(rows: Iterable[dict], mode: str, versions: dict[str, str]) -> tupl
               "ms": {n: r["ms"] for n, r in per_impl.items()}, "mode": mode, **versions,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
     return fastest, record
+
+
+# ------------------------------------------------------------------------------------------------
+# The tuning loop, the same for both frameworks (each supplies its `time_call`)
+# ------------------------------------------------------------------------------------------------
+MODES = ("fwd", "fwd+bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    """The autotuner's answer: the cache key, the fastest (implementation, config) and its time,
+    every timed candidate (dicts: implementation, config, ms, error) and the file written (None
+    when store=False)."""
+
+    key: str
+    implementation: str
+    config: Any
+    ms: float
+    rows: tuple
+    path: Any
+
+
+def check_timing(mode, warmup, reps) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps must be an int >= 1, got {reps!r}")
+
+
+def probed(fn, args, kwargs, cache=None) -> Probe:
+    """The `Probe` of `fn(*args, **kwargs)`: traced to its implementation choice, nothing run."""
+    with using_path(cache), probe(stop=True) as p:
+        fn(*args, **kwargs)  # stopped at its choice: nothing runs
+    if p.key is None:
+        raise ValueError(f"{getattr(fn, '__name__', fn)!r} made no implementation choice that the autotuner can "
+                         f"key (it serves the functions that take implementation= and config=, e.g. "
+                         f"flash_attention)")
+    return p
+
+
+def _candidates(registry, entry, call, configs, max_configs, lengths):
+    if entry.config_type() is None:
+        return [None]
+    if configs is not None:
+        given = configs.get(entry.name) if isinstance(configs, dict) else configs
+        out = [registry.check_config(entry, c, call) for c in (given or ()) if isinstance(c, entry.config_type())]
+        return out or [registry.check_config(entry, None, call)]
+
+    def valid(c):
+        try:
+            registry.check_config(entry, c, call)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def canonical(c):  # tiles past the sequence run as smaller ones: the same kernel
+        return c.fitted(*lengths) if hasattr(c, "fitted") else c
+    return candidate_configs(registry.check_config(entry, None, call), valid, max_configs, canonical)
+
+
+_store = store  # `tune`'s argument `store` (a bool) shadows it there
+
+
+def tune(fn: Callable, args, kwargs: dict, time_call: Callable, versions: dict[str, str], *, variant=None,
+         implementations=None, configs=None, mode: str = "fwd+bwd", warmup: int = 1, reps: int = 5,
+         max_configs: int = 8, cache=None, store: bool = True) -> TuneResult:
+    """The autotuner of either framework (`jax_attn.autotune`, `torch_ref.autotune`, which document
+    the arguments): `fn(*args, **kwargs)` is traced to its implementation choice (key, registry,
+    call), every (implementation, config) that can serve it is timed with
+    `time_call(f, args, mode=, warmup=, reps=)` -> ms, and the fastest is stored."""
+    check_timing(mode, warmup, reps)
+    if "implementation" in kwargs or "config" in kwargs:
+        raise TypeError("autotune chooses implementation and config; pass neither")
+    kwargs = {k: v for k, v in kwargs.items() if k != "return_lse"}  # the output alone is timed
+    p = probed(fn, args, kwargs, cache)
+    if variant is not None and variant != p.variant:
+        raise ValueError(f"variant={variant!r}, but {getattr(fn, '__name__', fn)!r} chooses for "
+                         f"variant {p.variant!r}")
+    names = tuple(p.registry[p.variant]) if implementations is None else tuple(
+        p.registry.canonical(p.variant, n) for n in implementations)
+    rows = []
+    for name in names:
+        entry = p.registry[p.variant][name]
+        if reason := entry.unsupported_reason(p.call):
+            if implementations is not None:
+                raise NotImplementedError(f"implementation={name!r} cannot serve this call: {reason}")
+            continue
+        lengths = (args[0].shape[1], args[1].shape[1])
+        for config in _candidates(p.registry, entry, p.call, configs, max_configs, lengths):
+            row = {"implementation": name, "config": config, "ms": None, "error": None}
+            try:
+                with using_path(DISABLED):  # the candidate runs as given, whatever the cache holds
+                    row["ms"] = time_call(lambda *a, _n=name, _c=config: fn(*a, implementation=_n, config=_c,
+                                                                           **kwargs),
+                                          args, mode=mode, warmup=warmup, reps=reps)
+            except Exception as e:  # a tile that does not compile here (e.g. shared memory) is no answer
+                row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+    result = record_of(rows, mode, versions)
+    if result is None:
+        raise RuntimeError(f"autotune: no candidate ran for {p.key}: " +
+                           "; ".join(f"{r['implementation']} {r['config']}: {r['error']}" for r in rows))
+    best, record = result
+    path = _store(p.key, record, cache) if store else None
+    return TuneResult(p.key, best["implementation"], best["config"], best["ms"], tuple(rows), path)

@@ -183,23 +183,21 @@ def check_dropout(rate, key):
     return float(rate), dropout.seed_words(key)
 
 
-def check_int_array(name, x, shape=None):
-    """An integer array (of the given shape, where given)."""
+def _check_typed_array(name, x, shape, kind: str, dtype_class):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an integer array, got {type(x).__name__}")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array, got {name}.dtype={x.dtype}")
+        raise TypeError(f"{name} must be {kind} array, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, dtype_class):
+        raise TypeError(f"{name} must be {kind} array, got {name}.dtype={x.dtype}")
     if shape is not None and tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {name}.shape={tuple(x.shape)}")
     return x
+
+
+def check_int_array(name, x, shape=None):
+    """An integer array (of the given shape, where given)."""
+    return _check_typed_array(name, x, shape, "an integer", jnp.integer)
 
 
 def check_float_array(name, x, shape=None):
     """A floating array (of the given shape, where given)."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be a float array, got {type(x).__name__}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must be a float array, got {name}.dtype={x.dtype}")
-    if shape is not None and tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {name}.shape={tuple(x.shape)}")
-    return x
+    return _check_typed_array(name, x, shape, "a float", jnp.floating)
