@@ -244,7 +244,7 @@ class Absent(Exception):
 @dataclasses.dataclass
 class Column:
     """One implementation. build(case, opts) -> f(q, k, v) -> out (arrays of its framework, BSHD
-    unless layout="bhsd"), or raises Absent."""
+    unless layout="bhsd"; JAX: or a `WithArgs` for more array arguments), or raises Absent."""
     name: str
     build: Callable
     framework: str = "jax"  # "jax" or "torch"
@@ -257,16 +257,33 @@ class Column:
     note: Callable | str | None = None  # str, or (case, opts) -> str: copied into rows
 
 
-def jax_forward(f: Callable) -> Callable:
+@dataclasses.dataclass(frozen=True)
+class WithArgs:
+    """What a column's build may return instead of f(q, k, v): fn(q, k, v, *args), the arrays in
+    args (block lists, gates, ...) passed to the jitted function at every call. A closed-over
+    array would be a compile-time constant, and XLA may spend minutes folding work on it (a sort
+    over a block list); an argument is not folded."""
+    fn: Callable
+    args: tuple
+
+
+def jax_forward(f: Callable | WithArgs) -> Callable:
+    if isinstance(f, WithArgs):
+        g, extra = jax.jit(f.fn), f.args
+        return lambda q, k, v: g(q, k, v, *extra)
     return jax.jit(f)
 
 
-def jax_forward_backward(f: Callable) -> Callable:
-    """jit of (q, k, v, do) -> (dq, dk, dv), through jax.vjp of f."""
-    def fb(q, k, v, do):
-        _, vjp = jax.vjp(f, q, k, v)
+def jax_forward_backward(f: Callable | WithArgs) -> Callable:
+    """jit of (q, k, v, do) -> (dq, dk, dv), through jax.vjp of f (in q, k, v; a WithArgs's
+    arrays are arguments of the jitted function, not differentiated)."""
+    fn, extra = (f.fn, f.args) if isinstance(f, WithArgs) else (f, ())
+
+    def fb(q, k, v, do, *args):
+        _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *args), q, k, v)
         return vjp(do)
-    return jax.jit(fb)
+    g = jax.jit(fb)
+    return lambda q, k, v, do: g(q, k, v, do, *extra)
 
 
 def time_jax(g: Callable, args: tuple, target_ms: float, repeats: int):
