@@ -9,6 +9,7 @@ Cases (bf16, B=1, D=128, causal, forward and forward+backward; 16, 64 and 128k t
     heads    64 query / 4 kv heads (GQA 16, the paper's) and 16 / 16 (ratio 1)
     nsa      16 selected blocks of 64; compression 32/16 or 64/64 (block/stride); window 512 or 0
     dense    the same shapes, dense causal (the anchors)
+    ranges   ranges_R1 and ranges_R8 (see the ranges columns; seconds, also in --quick)
 --quick: 16k and 64k, 64/4 heads, compression 32/16 with window 512 (and at 64k 64/64 with
 window 0, fla's setting), the dense anchors, the quick columns; meant to stay within two minutes. --smoke: tiny shapes on the CPU.
 
@@ -25,6 +26,12 @@ Columns:
                  16+ query heads per kv head; compression 64/64 is its own)
     cudnn        jax.nn.dot_product_attention(implementation="cudnn"), full causal (dense rows)
     flash        jax_attn.flash_attention(causal=True) (dense rows; Mosaic kernels on Hopper)
+    ranges       the ranges cases (ranges_R1, ranges_R8: the original project's "N=1024, H=8,
+                 D=128, L=256 against SDPA": 1024 tokens, 8 query heads on one kv head, 256 keys
+                 per row as R disjoint [start, end) ranges at arbitrary starts, not causal):
+                 jax_attn.selection_attention(ranges=..., causal=False)
+    ranges_sdpa_mask   jax.nn.dot_product_attention with the equivalent boolean mask
+    ranges_sdpa_dense  jax.nn.dot_product_attention over all keys (no mask), the second anchor
 Every array a column needs besides q, k, v (block lists, gates) is an argument of the jitted
 function (`harness.WithArgs`), never closed over: a closed-over block list is a compile-time
 constant, and XLA spent about two minutes folding the canonicalising sort over it.
@@ -55,6 +62,8 @@ class NSACase(Case):
 
     def flops(self, mode: str) -> float:
         p = self.params
+        if "ranges" in p:  # the ranges case: `keys` keys per row
+            return 4 * self.B * self.S * p["keys"] * self.H * self.D * (3.5 if mode == "fwdbwd" else 1.0)
         if "compress" not in p:
             return super().flops(mode)
         from attn_spec import nsa
@@ -64,11 +73,19 @@ class NSACase(Case):
         return 4 * self.B * self.S * seen * self.H * self.D * (3.5 if mode == "fwdbwd" else 1.0)
 
 
+def ranges_cases(opts):
+    """The original project's ranges case (N=1024 tokens, H=8 query heads on one kv head, D=128,
+    L=256 keys per row as R disjoint ranges, not causal), R = 1 and 8."""
+    n, h, d, keys = (64, 2, 32, 16) if opts.smoke else (1024, 8, 128, 256)
+    return [NSACase(f"ranges_R{r}", 1, n, h, d, causal=False, kv_heads=1, params=dict(ranges=r, keys=keys))
+            for r in ((1, 4) if opts.smoke else (1, 8))]
+
+
 def cases(opts):
     if opts.smoke:
         small = dict(compress=16, stride=8, window=16, select_block=16, num_selected=4)
         return [NSACase("nsa", 1, 256, 4, 64, causal=True, kv_heads=1, params=small),
-                NSACase("dense", 1, 256, 4, 64, causal=True, kv_heads=1)]
+                NSACase("dense", 1, 256, 4, 64, causal=True, kv_heads=1)] + ranges_cases(opts)
     lengths = (16384, 65536) if opts.quick else (16384, 65536, 131072)
     heads = ((64, 4),) if opts.quick else ((64, 4), (16, 16))
     settings = ((32, 16, 512), (32, 16, 0), (64, 64, 512), (64, 64, 0))
@@ -82,7 +99,7 @@ def cases(opts):
                                    params=dict(compress=compress, stride=stride, window=window,
                                                select_block=SELECT_BLOCK, num_selected=NUM_SELECTED)))
             out.append(NSACase("dense", 1, s, h, 128, causal=True, kv_heads=hkv))
-    return out
+    return out + ranges_cases(opts)
 
 
 def _nsa_only(case):
@@ -91,8 +108,45 @@ def _nsa_only(case):
 
 
 def _dense_only(case):
-    if "compress" in case.params:
+    if "compress" in case.params or "ranges" in case.params:
         raise Absent("dense columns run on the dense rows (the same shapes)")
+
+
+def _ranges_only(case):
+    if "ranges" not in case.params:
+        raise Absent("ranges columns run on the ranges cases")
+
+
+def random_ranges(case, seed=0):
+    """int32 [B, S, Hkv, R, 2]: per row R disjoint ranges of keys / R keys at arbitrary starts,
+    one in each of R equal windows of the sequence (the torch twin's `_random_ranges`)."""
+    r, keys = case.params["ranges"], case.params["keys"]
+    width, span = keys // r, case.S // r
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, span - width + 1, (case.B, case.S, case.Hkv, r)) + np.arange(r) * span
+    return np.stack([start, start + width], axis=-1).astype(np.int32)
+
+
+def ranges_column(case, opts):
+    _ranges_only(case)
+    import jax_attn
+    return harness.WithArgs(lambda q, k, v, ranges: jax_attn.selection_attention(q, k, v, ranges=ranges, causal=False),
+                            (jax.device_put(random_ranges(case)),))
+
+
+def ranges_mask_column(case, opts):
+    _ranges_only(case)
+    ranges = random_ranges(case)
+    keys = np.arange(case.S)
+    inside = (keys >= ranges[..., 0:1]) & (keys < ranges[..., 1:2])  # [B, S, Hkv, R, S]
+    mask = inside.any(3).transpose(0, 2, 1, 3)  # [B, Hkv = 1, S, S]: broadcast over the heads
+    return harness.WithArgs(lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask),
+                            (jax.device_put(mask),))
+
+
+def ranges_dense_column(case, opts):
+    _ranges_only(case)
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v)
 
 
 def _gates(case, dtype):
@@ -187,6 +241,9 @@ COLUMNS = [
     Column("fla", fla_column, framework="torch", compare=False),
     Column("cudnn", cudnn_column, compare=False),
     Column("flash", flash_column, compare=False),
+    Column("ranges", ranges_column, compare=False),
+    Column("ranges_sdpa_mask", ranges_mask_column, compare=False),
+    Column("ranges_sdpa_dense", ranges_dense_column, compare=False),
 ]
 
 
