@@ -9,6 +9,8 @@ scripts/trace_kernels.py.
   python scripts/torch_ttir.py OUT_DIR --stick-breaking          (+ the stick-breaking kernels)
   python scripts/torch_ttir.py OUT_DIR --stick-breaking-options  (+ those with attend_current,
                                                                   Sq < Sk, segment ids: they compile)
+  python scripts/torch_ttir.py OUT_DIR --nsa-only  (only the NSA selection kernels: forward, dQ,
+                                                    dK/dV, the dK/dV sum; block lists and ranges)
 
 The launchers (`forward`, `backward`) run on CPU tensors with the Triton JIT's launch replaced by
 a compile to TTIR (`triton.compile`'s front end and TTIR passes for GPUTarget("cuda", 90, 32), the
@@ -95,8 +97,43 @@ def run_sb(name, B=2, Sq=100, Sk=100, Hq=4, Hkv=2, D=64, dtype=torch.float16, de
                 **kw)
 
 
+def run_nsa(name, B=2, S=100, Hq=8, Hkv=2, D=64, dtype=torch.float16, block_size=16, ranges=False, segments=False,
+            dlse=False):
+    """NSA selection's forward and backward kernels (compiled to TTIR, not run) for one configuration:
+    block lists of block_size (one-tile walk where block_size <= the key tile) or R = 3 arbitrary ranges."""
+    from torch_ref.ops.nsa import reference as R
+    from torch_ref.ops.nsa import triton as N
+
+    _current[0] = f"nsa_{name}_{str(dtype).split('.')[1]}"
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    k = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
+    if ranges:
+        start = torch.randint(0, S, (B, S, Hkv, 3, 1), generator=g)
+        spans = R.canonical_ranges(torch.cat([start, start + 7], -1), True, S)
+        block_size = None
+    else:
+        idx = torch.randint(0, -(-S // block_size), (B, S, Hkv, 4), generator=g)
+        spans = R.blocks_to_ranges(R.canonical_blocks(idx, None, block_size, True, S), block_size, True, S)
+    spans = spans.to(torch.int32).contiguous()
+    counts = (spans[..., 0] < spans[..., 1]).sum(-1, dtype=torch.int32)
+    ids = torch.zeros(B, S, dtype=torch.int32) if segments else None
+    config = N.default_nsa_block_sizes(D, dtype, True)
+    out, _, m2, inv_l = N._forward(q, k, k, spans, counts, ids, 0.125, config, block_size)
+    N._backward(q, q, k, k, q, m2, inv_l, m2 if dlse else None, spans, counts, ids, 0.125, config, block_size)
+
+
 def main():
     triton_jit.JITFunction.run = _compile_instead_of_launch
+    if "--nsa-only" in sys.argv:  # the NSA selection kernels alone (seconds)
+        for dt in (torch.float16, torch.float32):
+            run_nsa("blocks16", dtype=dt)
+            run_nsa("blocks64_d128_g16", Hq=32, D=128, block_size=64, dtype=dt)
+            run_nsa("blocks128_mha", Hq=2, S=300, block_size=128, dtype=dt)
+            run_nsa("ranges_segments_dlse", ranges=True, segments=True, dlse=True, dtype=dt)
+            run_nsa("blocks16_g3_d40", Hq=6, D=40, segments=True, dtype=dt)
+        print(f"{len(os.listdir(OUT))} files in {OUT}")
+        return
     for dt in (torch.float16, torch.float32):
         run("dense", dtype=dt)
         run("causal", causal=True, dtype=dt)
