@@ -116,6 +116,61 @@ def _rows(group: int) -> int:
 # Selection kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _token_program(GROUP, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """The forward / dQ program's coordinates, grid (S, Hkv, B): (t, g, b, the group's query heads
+    hq [BLOCK_G] and their mask, d [BLOCK_D] and its mask, n [BLOCK_N], the [rows, D] mask)."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    rows = tl.arange(0, BLOCK_G)
+    r_ok = rows < GROUP
+    hq = g * GROUP + rows
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    n = tl.arange(0, BLOCK_N)
+    return t, g, b, hq, r_ok, d, d_ok, n, r_ok[:, None] & d_ok[None, :]
+
+
+@triton.jit
+def _heads_at(X, b, t, hq, d, sxb, sxs, sxh, sxd, PER_ROW: tl.constexpr):
+    """Pointers [rows, D] of X [B, S, H, D] at batch row b, heads hq [rows] and token t: a scalar,
+    or PER_ROW one token per row (t [rows])."""
+    x = X + b * sxb
+    if PER_ROW:
+        x = x + t[:, None] * sxs
+    else:
+        x = x + t * sxs
+    return x + hq[:, None] * sxh + d[None, :] * sxd
+
+
+@triton.jit
+def _token_keys(K, V, SEG, RANGES, COUNTS, b, t, g, skb, skh, svb, svh, ssb, sss, srb, srs, srh, scb, scs, sch,
+                HAS_SEGMENTS: tl.constexpr):
+    """What the forward / dQ walk of token t, kv head g needs: (the key and value bases of head g,
+    the query's segment id (0 without segments), the row's ranges and their non-empty count)."""
+    k_base = K + b * skb + g * skh
+    v_base = V + b * svb + g * svh
+    qs = 0
+    if HAS_SEGMENTS:
+        qs = tl.load(SEG + b * ssb + t * sss)
+    r_base = RANGES + b * srb + t * srs + g * srh
+    return k_base, v_base, qs, r_base, tl.load(COUNTS + b * scb + t * scs + g * sch)
+
+
+@triton.jit
+def _range_at(r_base, r, srr, src):
+    """[lo, hi) of the row's range r, int32."""
+    return tl.load(r_base + r * srr).to(tl.int32), tl.load(r_base + r * srr + src).to(tl.int32)
+
+
+@triton.jit
+def _tile_coords(tile_id, NT, Hkv):
+    """Key tile id (b, g, tile) flattened as (b * Hkv + g) * NT + tile -> (tile, g, b)."""
+    return tile_id % NT, (tile_id // NT) % Hkv, tile_id // (NT * Hkv)
+
+
+@triton.jit
 def _key_tile(k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d, d_ok, sks, skd, svs, svd,
               HAS_SEGMENTS: tl.constexpr, V_TRANS: tl.constexpr):
     """Keys [start, start + BLOCK_N) below hi (and in the query's segment): (kT [D, N], v [N, D] or
@@ -160,29 +215,15 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, COUNTS, SEG,
     come first). ONE_TILE: every range fits one key tile (blocks of at most BLOCK_N): one flat loop
     the compiler can pipeline. Writes O [B, S, Hq, D] at the group's heads and LSE, M2, INV_L
     [B, Hq, S]."""
-    t = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    rows = tl.arange(0, BLOCK_G)
-    r_ok = rows < GROUP
-    hq = g * GROUP + rows
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    n = tl.arange(0, BLOCK_N)
-    q = tl.load(Q + b * sqb + t * sqs + hq[:, None] * sqh + d[None, :] * sqd, mask=r_ok[:, None] & d_ok[None, :],
-                other=0.0)
-    k_base = K + b * skb + g * skh
-    v_base = V + b * svb + g * svh
-    qs = 0
-    if HAS_SEGMENTS:
-        qs = tl.load(SEG + b * ssb + t * sss)
+    t, g, b, hq, r_ok, d, d_ok, n, rd_ok = _token_program(GROUP, HEAD_DIM, BLOCK_G, BLOCK_N, BLOCK_D)
+    q = tl.load(_heads_at(Q, b, t, hq, d, sqb, sqs, sqh, sqd, False), mask=rd_ok, other=0.0)
+    k_base, v_base, qs, r_base, count = _token_keys(K, V, SEG, RANGES, COUNTS, b, t, g, skb, skh, svb, svh, ssb, sss,
+                                                    srb, srs, srh, scb, scs, sch, HAS_SEGMENTS)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    r_base = RANGES + b * srb + t * srs + g * srh
-    for r in range(tl.load(COUNTS + b * scb + t * scs + g * sch)):
-        lo = tl.load(r_base + r * srr).to(tl.int32)
-        hi = tl.load(r_base + r * srr + src).to(tl.int32)
+    for r in range(count):
+        lo, hi = _range_at(r_base, r, srr, src)
         if ONE_TILE:
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, SEG, b, ssb, sss, qs, lo, hi, n, d, d_ok,
                                       sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
@@ -193,8 +234,7 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, COUNTS, SEG,
     seen = l_i > 0
     inv_l = tl.where(seen, tl.div_rn(1.0, tl.where(seen, l_i, 1.0)), 0.0)
     out = acc * inv_l[:, None]
-    tl.store(O + b * sob + t * sos + hq[:, None] * soh + d[None, :] * sod, out.to(O.dtype.element_ty),
-             mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(_heads_at(O, b, t, hq, d, sob, sos, soh, sod, False), out.to(O.dtype.element_ty), mask=rd_ok)
     stat = (b * Hq + hq) * S + t
     tl.store(LSE + stat, tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf")), mask=r_ok)
     tl.store(M2 + stat, tl.where(seen, m_i, float("inf")), mask=r_ok)
@@ -224,19 +264,10 @@ def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, COUNTS, SEG,
     """grid (S, Hkv, B): dQ of query token t at the group's heads, over the forward's tiles.
     delta = rowsum(dO * O) - dlse (stored to DELTA [B, Hq, S] for the dK/dV kernel), dS = P (dP -
     delta), dq = scale dS k."""
-    t = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    rows = tl.arange(0, BLOCK_G)
-    r_ok = rows < GROUP
-    hq = g * GROUP + rows
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    n = tl.arange(0, BLOCK_N)
-    rd_ok = r_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * sqb + t * sqs + hq[:, None] * sqh + d[None, :] * sqd, mask=rd_ok, other=0.0)
-    do = tl.load(DO + b * sdb + t * sds + hq[:, None] * sdh + d[None, :] * sdd, mask=rd_ok, other=0.0)
-    o = tl.load(O + b * sob + t * sos + hq[:, None] * soh + d[None, :] * sod, mask=rd_ok, other=0.0)
+    t, g, b, hq, r_ok, d, d_ok, n, rd_ok = _token_program(GROUP, HEAD_DIM, BLOCK_G, BLOCK_N, BLOCK_D)
+    q = tl.load(_heads_at(Q, b, t, hq, d, sqb, sqs, sqh, sqd, False), mask=rd_ok, other=0.0)
+    do = tl.load(_heads_at(DO, b, t, hq, d, sdb, sds, sdh, sdd, False), mask=rd_ok, other=0.0)
+    o = tl.load(_heads_at(O, b, t, hq, d, sob, sos, soh, sod, False), mask=rd_ok, other=0.0)
     stat = (b * Hq + hq) * S + t
     m2 = tl.load(M2 + stat, mask=r_ok, other=float("inf"))
     inv_l = tl.load(INV_L + stat, mask=r_ok, other=0.0)
@@ -244,16 +275,11 @@ def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, COUNTS, SEG,
     if HAS_DLSE:
         delta -= tl.load(DLSE + stat, mask=r_ok, other=0.0)
     tl.store(DELTA + stat, delta, mask=r_ok)
-    k_base = K + b * skb + g * skh
-    v_base = V + b * svb + g * svh
-    qs = 0
-    if HAS_SEGMENTS:
-        qs = tl.load(SEG + b * ssb + t * sss)
+    k_base, v_base, qs, r_base, count = _token_keys(K, V, SEG, RANGES, COUNTS, b, t, g, skb, skh, svb, svh, ssb, sss,
+                                                    srb, srs, srh, scb, scs, sch, HAS_SEGMENTS)
     dq = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    r_base = RANGES + b * srb + t * srs + g * srh
-    for r in range(tl.load(COUNTS + b * scb + t * scs + g * sch)):
-        lo = tl.load(r_base + r * srr).to(tl.int32)
-        hi = tl.load(r_base + r * srr + src).to(tl.int32)
+    for r in range(count):
+        lo, hi = _range_at(r_base, r, srr, src)
         if ONE_TILE:
             dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_base, v_base, SEG, b, ssb, sss, qs, lo, hi, n, d, d_ok,
                           sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
@@ -261,8 +287,7 @@ def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, COUNTS, SEG,
             for start in range(lo, hi, BLOCK_N):
                 dq = _dq_tile(dq, q, do, m2, inv_l, delta, k_base, v_base, SEG, b, ssb, sss, qs, start, hi, n, d,
                               d_ok, sks, skd, svs, svd, score_mul, HAS_SEGMENTS, PRECISION)
-    tl.store(DQ + b * sgb + t * sgs + hq[:, None] * sgh + d[None, :] * sgd, (dq * scale).to(DQ.dtype.element_ty),
-             mask=rd_ok)
+    tl.store(_heads_at(DQ, b, t, hq, d, sgb, sgs, sgh, sgd, False), (dq * scale).to(DQ.dtype.element_ty), mask=rd_ok)
 
 
 @triton.jit
@@ -278,9 +303,7 @@ def _dkv_kernel(Q, K, V, DO, M2, INV_L, DELTA, SEG, TOK, LO, HI, CHUNK_TILE, CHU
     tile_id = tl.load(CHUNK_TILE + c).to(tl.int64)
     p_lo = tl.load(CHUNK_START + c)
     p_hi = tl.load(CHUNK_END + c)
-    tile = tile_id % NT
-    g = (tile_id // NT) % Hkv
-    b = tile_id // (NT * Hkv)
+    tile, g, b = _tile_coords(tile_id, NT, Hkv)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -307,9 +330,8 @@ def _dkv_kernel(Q, K, V, DO, M2, INV_L, DELTA, SEG, TOK, LO, HI, CHUNK_TILE, CHU
         hi = tl.load(HI + piece, mask=p_ok, other=0)
         hq = g * GROUP + head
         rd_ok = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + b * sqb + tok[:, None] * sqs + hq[:, None] * sqh + d[None, :] * sqd, mask=rd_ok, other=0.0)
-        do = tl.load(DO + b * sdb + tok[:, None] * sds + hq[:, None] * sdh + d[None, :] * sdd, mask=rd_ok,
-                     other=0.0)
+        q = tl.load(_heads_at(Q, b, tok, hq, d, sqb, sqs, sqh, sqd, True), mask=rd_ok, other=0.0)
+        do = tl.load(_heads_at(DO, b, tok, hq, d, sdb, sds, sdh, sdd, True), mask=rd_ok, other=0.0)
         stat = (b * Hq + hq) * S + tok
         m2 = tl.load(M2 + stat, mask=row_ok, other=float("inf"))
         inv_l = tl.load(INV_L + stat, mask=row_ok, other=0.0)
@@ -336,9 +358,7 @@ def _dkv_sum_kernel(DKP, DVP, TILE_CHUNKS, DK, DV, sdkb, sdks, sdkh, sdkd, sdvb,
     chunk order (TILE_CHUNKS [tiles + 1]: the chunks of tile i are [TILE_CHUNKS[i], TILE_CHUNKS[i + 1]));
     0 for a tile no query selected."""
     tile_id = tl.program_id(0).to(tl.int64)
-    tile = tile_id % NT
-    g = (tile_id // NT) % Hkv
-    b = tile_id // (NT * Hkv)
+    tile, g, b = _tile_coords(tile_id, NT, Hkv)
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     cols = tile * BLOCK_N + n
