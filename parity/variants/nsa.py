@@ -197,12 +197,17 @@ def run_jax(c: Case, implementation: str, dtype: str, inputs: NSAInputs) -> list
     pair = lambda flat: (nsa.CompressParams(*flat[:5]), nsa.CompressParams(*flat[5:])) if flat else None
 
     if op == "selection":
-        def f(q, k, vv):
+        # the block lists are arguments, not constants: XLA would constant-fold their sort for minutes
+        lists = (ints(inputs.block_indices), ints(inputs.block_counts), ints(inputs.ranges), seg)
+
+        def f(q, k, vv, lists):
+            indices, counts, ranges, segment_ids = lists
             return jax_attn.selection_attention(
-                q, k, vv, ints(inputs.block_indices), ints(inputs.block_counts), ranges=ints(inputs.ranges),
-                block_size=kw.get("block_size", 64), causal=kw.get("causal", True), scale=kw.get("scale"),
-                segment_ids=seg, return_lse=True, implementation=implementation)
-        (out, lse), vjp = jax.vjp(jax.jit(f), cast(inputs.q), cast(inputs.k), cast(inputs.v))
+                q, k, vv, indices, counts, ranges=ranges, block_size=kw.get("block_size", 64),
+                causal=kw.get("causal", True), scale=kw.get("scale"), segment_ids=segment_ids, return_lse=True,
+                implementation=implementation)
+        (out, lse), vjp = jax.vjp(lambda q, k, vv: jax.jit(f)(q, k, vv, lists), cast(inputs.q), cast(inputs.k),
+                                  cast(inputs.v))
         grads = vjp((cast(inputs.do), jnp.asarray(inputs.dlse, v.JAX_DTYPES[v.stat_dtype(dtype)])))
         return [v.to_numpy(x) for x in (out, lse, *grads)]
 
