@@ -132,18 +132,11 @@ def test_ordering_differs_from_no_ordering():
     assert float(jnp.abs(call(ordering="hilbert", grid=(8, 16)) - call()).max()) > 1e-2
 
 
-@pytest.mark.slow
 def test_interpreted_kernels_match_single_device():
     """The default kernels (Pallas Triton, interpreted on CPU): local branches read the rows through
     the shard's permutation in the kernel, spanning ones run the ring steps on the gathered rows."""
     _check(2, "hilbert", (8, 16), dict(segment_lengths=(32, 128), dilation_rates=(2, 4), causal=True), "float32",
            "triton", seed=3)
-
-
-def test_interpreted_kernels_small():
-    """The same on the smallest case that has a local and a spanning branch (S = 64 over 2 shards)."""
-    _check(2, "hilbert", (4, 16), dict(segment_lengths=(32, 64), dilation_rates=(2, 2), causal=True), "float32",
-           "triton", seq_len=64, seed=4)
 
 
 def test_no_traffic_when_segments_fit_a_shard():
