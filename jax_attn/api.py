@@ -607,7 +607,8 @@ def _shard_order(ordering, grid, num_shards: int, length: int, axis_name):
     band of its leading dimension, so the shard's sub-grid is (grid[0] / P, *grid[1:])."""
     local_grid = None
     if grid is not None and isinstance(ordering, str):
-        if not isinstance(grid, (tuple, list)) or not grid or not all(isinstance(g, (int, np.integer)) for g in grid):
+        is_int = lambda g: isinstance(g, (int, np.integer)) and not isinstance(g, bool)
+        if not isinstance(grid, (tuple, list)) or not grid or not all(is_int(g) for g in grid):
             raise ValueError(f"grid must be (rows, cols) or (depth, rows, cols) of ints, got grid={grid!r}")
         if grid[0] % num_shards:
             raise ValueError(f"grid={tuple(grid)!r}: its leading dimension {grid[0]} must be a multiple of the "
@@ -692,7 +693,7 @@ def ring_dilated_attention(q, k, v, *, axis_name, segment_lengths, dilation_rate
             out, lse = ring_dilated.scatter(out, lse, r, order)
             if own_apart:  # the shard as one segment, causal on original positions, merged by lse
                 own, own_lse = local(segment_lengths=(length,), dilation_rates=(r,), causal=True)
-                out, lse = ring_dilated.merge([own, out], [own_lse, lse], q.dtype)
+                out, lse = ring_dilated.merge([own, out], [own_lse, lse], jnp.float32)  # rounded once, below
         outs.append(out)
         lses.append(lse)
     out, lse = ring_dilated.merge(outs, lses, q.dtype)

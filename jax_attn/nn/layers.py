@@ -275,12 +275,13 @@ class MultiheadDilatedAttention(nnx.Module):
         for position="absolute" / "rope" (default 0 .. S-1), shared by all three inputs."""
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
-        attend = None
-        if self.mesh is not None:
-            def attend(q, k, v, *, merge, **kwargs):  # merge="lse", checked at construction
-                return context_parallel_dilated_attention(q, k, v, mesh=self.mesh, axis=self.axis, **kwargs)
         return _project_attend(self, (inputs_q, inputs_k, inputs_v), ("inputs_q", "inputs_k", "inputs_v"),
-                               positions=positions, config=self.config, attend=attend)
+                               positions=positions, config=self.config,
+                               attend=None if self.mesh is None else self._sharded_attention)
+
+    def _sharded_attention(self, q, k, v, *, merge, **kwargs):
+        """The attention with a mesh (merge="lse", checked at construction)."""
+        return context_parallel_dilated_attention(q, k, v, mesh=self.mesh, axis=self.axis, **kwargs)
 
 
 def _check_mesh(mesh, axis, merge, config):
