@@ -5,10 +5,12 @@ Layout everywhere: q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (BSHD). Implementations
 (`BlockSizes`, `MosaicBlockSizes`, `StickBreakingBlockSizes`, `NSABlockSizes`) are passed as `config=`.
 Native Sparse Attention: `nsa_attention` and its parts `compress_kv`, `compression_attention`,
 `select_blocks`, `selection_attention`. Sequence parallelism over a mesh axis: `ring_attention` /
-`ring_dilated_attention` (inside `jax.shard_map`) and `context_parallel_attention` (global arrays);
+`ring_dilated_attention` (inside `jax.shard_map`; orderings within each shard) and
+`context_parallel_attention` / `context_parallel_dilated_attention` (global arrays);
 zigzag helpers `to_zigzag`, `from_zigzag`.
 """
-from jax_attn.api import (compress_kv, compression_attention, context_parallel_attention, default_strategy,
+from jax_attn.api import (compress_kv, compression_attention, context_parallel_attention,
+                          context_parallel_dilated_attention, default_strategy,
                           dilated_attention, flash_attention, flash_attention_varlen, nsa_attention, ring_attention,
                           ring_dilated_attention, select_blocks, selection_attention, stick_breaking_attention,
                           stick_breaking_attention_varlen)
@@ -39,7 +41,8 @@ __all__ = [
     "StickBreakingBlockSizes", "default_stick_breaking_block_sizes", "stick_breaking_attention",
     "stick_breaking_attention_varlen",
     "stick_breaking_reference", "UnknownImplementationError", "orderings",
-    "ring_attention", "ring_dilated_attention", "context_parallel_attention", "default_strategy", "to_zigzag",
+    "ring_attention", "ring_dilated_attention", "context_parallel_attention", "context_parallel_dilated_attention",
+    "default_strategy", "to_zigzag",
     "from_zigzag", "to_layout", "from_layout", "layout_positions",
     "compress_kv", "compression_attention", "nsa_attention", "NSABlockSizes", "select_blocks", "selection_attention",
 ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 
@@ -600,8 +601,29 @@ def context_parallel_attention(q, k, v, *, mesh, axis, strategy: str | None = No
     return (out, lse) if return_lse else out
 
 
+def _shard_order(ordering, grid, num_shards: int, length: int, axis_name):
+    """The within-shard permutation of `ring_dilated_attention(ordering=, grid=)`: None (no
+    ordering, or the identity) or int32 [L]. grid is the global token grid; each shard holds a
+    band of its leading dimension, so the shard's sub-grid is (grid[0] / P, *grid[1:])."""
+    local_grid = None
+    if grid is not None and isinstance(ordering, str):
+        is_int = lambda g: isinstance(g, (int, np.integer)) and not isinstance(g, bool)
+        if not isinstance(grid, (tuple, list)) or not grid or not all(is_int(g) for g in grid):
+            raise ValueError(f"grid must be (rows, cols) or (depth, rows, cols) of ints, got grid={grid!r}")
+        if grid[0] % num_shards:
+            raise ValueError(f"grid={tuple(grid)!r}: its leading dimension {grid[0]} must be a multiple of the "
+                             f"{num_shards} shards of axis {axis_name!r} (each shard holds a band of "
+                             f"{grid[0]} / {num_shards} of it)")
+        if int(np.prod(grid)) != length * num_shards:
+            raise ValueError(f"grid={tuple(grid)!r} has {int(np.prod(grid))} cells but the global sequence has "
+                             f"{length * num_shards} tokens ({num_shards} shards of L={length})")
+        local_grid = (int(grid[0]) // num_shards, *(int(g) for g in grid[1:]))
+    return orderings.resolve(ordering, grid if local_grid is None else local_grid, length)
+
+
 def ring_dilated_attention(q, k, v, *, axis_name, segment_lengths, dilation_rates, causal: bool = False,
-                           scale: float | None = None, return_lse: bool = False, implementation: str | None = None):
+                           scale: float | None = None, ordering=None, grid=None, return_lse: bool = False,
+                           implementation: str | None = None):
     """`dilated_attention` (merge="lse") on a sequence sharded contiguously over the mesh axis
     `axis_name`, called inside `jax.shard_map`: each shard's rows of the global result.
 
@@ -614,6 +636,19 @@ def ring_dilated_attention(q, k, v, *, axis_name, segment_lengths, dilation_rate
         1 / r of the rows, travel a ring over those shards).
       causal, scale, return_lse: as `dilated_attention`. implementation: as `ring_attention` for the
         spanning branches, as `dilated_attention` for the local ones.
+      ordering, grid: a space-filling-curve ordering applied WITHIN each shard. ordering: a name of
+        `jax_attn.orderings.ORDERINGS` or a permutation array int [L] (the same on every shard).
+        grid: the GLOBAL token grid (rows, cols) or (depth, rows, cols) of the S tokens; shard d
+        holds a band of its leading dimension (for an image: rows/P whole grid rows), so its
+        sub-grid is (rows / P, cols), and rows must be a multiple of P. None: each shard's L tokens
+        on the near-square default grid of L. The global ordered sequence is the shards' ordered
+        rows concatenated (the global permutation: d L + order, shard by shard); the segments and
+        their dilation are cut from it, causality keeps comparing the original positions, out and
+        lse come back in the original order: the result equals `dilated_attention(ordering=that
+        global permutation)`. A segment inside a shard runs the local kernel with the shard's
+        permutation as its index map; a spanning segment gathers its dilated rows from their ordered
+        positions before they travel (causal: the shard's own keys go through the local kernel,
+        which compares original positions; keys of earlier shards are all visible, later ones none).
 
     Returns out [B, L, H, D], or (out, lse [B, H, L]).
     """
@@ -627,6 +662,9 @@ def ring_dilated_attention(q, k, v, *, axis_name, segment_lengths, dilation_rate
     seq_len = length * num_shards
     scale = validation.check_positive("scale", scale)
     scale = head_dim ** -0.5 if scale is None else scale
+    order = _shard_order(ordering, grid, num_shards, length, axis_name)
+    local = functools.partial(dilated_attention, q, k, v, scale=scale, ordering=order, return_lse=True,
+                              implementation=implementation)
     outs, lses = [], []
     for w, r in zip(lengths, rates):
         if length % r:
@@ -636,23 +674,69 @@ def ring_dilated_attention(q, k, v, *, axis_name, segment_lengths, dilation_rate
             if length % w:
                 raise ValueError(f"segment length {w} must divide the shard length L={length} (or be a multiple "
                                  f"of it spanning whole shards)")
-            out, lse = dilated_attention(q, k, v, segment_lengths=(w,), dilation_rates=(r,), causal=causal,
-                                         scale=scale, return_lse=True, implementation=implementation)
+            out, lse = local(segment_lengths=(w,), dilation_rates=(r,), causal=causal)
         else:
             if w % length or num_shards % (w // length):
                 raise ValueError(f"segment length {w} longer than the shard length L={length} must span a whole "
                                  f"number of shards dividing the {num_shards} of axis {axis_name!r}")
+            # causal under an ordering: the shard's own keys need original-position causality, which
+            # the local kernel has; the ring skips them and brings the other shards' keys
+            own_apart = bool(causal) and order is not None
             spec = AttentionSpec(scale=scale, causal=bool(causal), precision=validation.fp32_precision(q.dtype))
-            st = ring_ops.Static(axis_name, num_shards, "contiguous", "ring", spec, None, group=w // length)
+            st = ring_ops.Static(axis_name, num_shards, "contiguous", "ring", spec, None, group=w // length,
+                                 skip_own=own_apart)
             rows = length // r
             st = dataclasses.replace(st, step=_step_backend(implementation, None, st.case_specs(rows), head_dim,
                                                             q.dtype))
-            out, lse = ring_ops.sequence_parallel_attention(st, *(ring_dilated.select(x, r, num_heads)
+            out, lse = ring_ops.sequence_parallel_attention(st, *(ring_dilated.select(x, r, num_heads, order)
                                                                   for x in (q, k, v)))
-            out, lse = ring_dilated.scatter(out, lse, r)
+            out, lse = ring_dilated.scatter(out, lse, r, order)
+            if own_apart:  # the shard as one segment, causal on original positions, merged by lse
+                own, own_lse = local(segment_lengths=(length,), dilation_rates=(r,), causal=True)
+                out, lse = ring_dilated.merge([own, out], [own_lse, lse], jnp.float32)  # rounded once, below
         outs.append(out)
         lses.append(lse)
     out, lse = ring_dilated.merge(outs, lses, q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def context_parallel_dilated_attention(q, k, v, *, mesh, axis, segment_lengths, dilation_rates,
+                                       causal: bool = False, scale: float | None = None, ordering=None, grid=None,
+                                       return_lse: bool = False, implementation: str | None = None):
+    """`ring_dilated_attention` on global arrays: `jax.shard_map` over the mesh axis `axis` (a
+    `jax.sharding.Mesh`) around it, the sequence sharded contiguously (shard d holds rows
+    d S/P .. (d + 1) S/P - 1).
+
+    Args:
+      q: [B, S, H, D]; k, v: [B, S, Hkv, D], global arrays in sequence order (typically sharded with
+        `NamedSharding(mesh, P(None, axis))`); S a multiple of P, the axis size.
+      mesh, axis: the mesh and the name of the axis the sequence is sharded over.
+      segment_lengths, dilation_rates, causal, scale, ordering, grid, return_lse, implementation:
+        as `ring_dilated_attention` (ordering applied within each shard; grid the global grid).
+
+    Returns out [B, S, H, D] (sharded over `axis` on S), or (out, lse [B, H, S]).
+    """
+    validation.check_arrays(q, k, v)
+    if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)})")
+    seq_len, num_shards = q.shape[1], int(mesh.shape[axis])
+    if k.shape[1] != seq_len:
+        raise ValueError(f"dilated attention is self-attention: q and k need the same length, got "
+                         f"{q.shape=} and {k.shape=}")
+    if seq_len % num_shards:
+        raise ValueError(f"the sequence length S={seq_len} must be a multiple of the {num_shards} devices of "
+                         f"axis {axis!r}")
+    spec = jax.sharding.PartitionSpec(None, axis)
+
+    def local(q, k, v):
+        return ring_dilated_attention(q, k, v, axis_name=axis, segment_lengths=segment_lengths,
+                                      dilation_rates=dilation_rates, causal=causal, scale=scale, ordering=ordering,
+                                      grid=grid, return_lse=True, implementation=implementation)
+
+    rows = [_placed(x, mesh, spec) for x in (q, k, v)]
+    out, lse = _shard_map(local, mesh, (spec,) * 3, (spec, jax.sharding.PartitionSpec(None, None, axis)))(*rows)
     return (out, lse) if return_lse else out
 
 

@@ -8,7 +8,9 @@
   `dilated_attention`, with `flax.nnx.MultiHeadAttention`'s arguments (num_heads, in_features,
   qkv_features, out_features, num_kv_heads; called on inputs_q[, inputs_k, inputs_v]).
 * `HilbertDilatedAttention`: `MultiheadDilatedAttention` on Hilbert-ordered tokens (the segments
-  cut from the Hilbert order over a token grid, so each is a compact 2-D patch region).
+  cut from the Hilbert order over a token grid, so each is a compact 2-D patch region). Both take
+  an optional `mesh` (and `axis`): then the attention runs sequence-parallel, the ordering within
+  each device's band of the grid (`context_parallel_dilated_attention`).
 * `NativeSparseAttention`: NSA (Yuan et al., arXiv 2502.11089) as a layer: the projections of
   `MultiHeadSelfAttention` (same names), the gates (`gate_proj`, or the MLP `gate_in` -> GELU ->
   `gate_out`; sigmoid, [B, S, Hq, 3]), the learnable compression maps (`compress_k`,
@@ -46,7 +48,8 @@ from flax import nnx
 from attn_spec.layers import (LAYER_NORM_EPS, check_dilated_args, check_layer_args, check_multihead_args,
                               check_positions_shape, feed_forward_width, inverse_softplus)
 from attn_spec.nsa import CompressParams
-from jax_attn.api import dilated_attention, flash_attention, nsa_attention, stick_breaking_attention
+from jax_attn.api import (context_parallel_dilated_attention, dilated_attention, flash_attention, nsa_attention,
+                          stick_breaking_attention)
 from jax_attn.nn.positions import sinusoidal_at, sinusoidal_positions
 from jax_attn.ops.common.rope import Rope, apply_rope
 
@@ -170,11 +173,12 @@ def _distinct(fn, xs):
 
 
 def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, decay=None, config=None,
-                    dropout=None):
+                    dropout=None, attend=None):
     """The multi-head layers' computation on inputs (queries, keys, values) [B, S, d_model] (names:
     the call's names for them, checked): absolute positions added, projected, split into heads,
     RoPE outside the kernel where the attention has none fused, the attention (with the keywords
-    `dropout`, from `_dropout`), heads merged, out-projected."""
+    `dropout`, from `_dropout`; `attend`, if given, instead of the spec's attention function),
+    heads merged, out-projected."""
     spec = module.spec
     batch, length = spec.check_call(inputs[0].shape, segment_ids=segment_ids, positions=positions, name=names[0])
     for name, x in zip(names[1:], inputs[1:]):
@@ -196,7 +200,7 @@ def _project_attend(module, inputs, names, *, segment_ids=None, positions=None, 
     if config is not None:
         kwargs["config"] = config
     kwargs.update(dropout or {})
-    out = ATTENTION_FUNCTIONS[spec.attention](q, k, v, implementation=module.implementation, **kwargs)
+    out = (attend or ATTENTION_FUNCTIONS[spec.attention])(q, k, v, implementation=module.implementation, **kwargs)
     return module.out_proj(out.reshape(batch, length, spec.num_heads * spec.head_dim))
 
 
@@ -242,6 +246,13 @@ class MultiheadDilatedAttention(nnx.Module):
       use_bias, dtype (compute), param_dtype, rngs: as in `MultiHeadSelfAttention`.
       dropout_rate: must stay 0.0 (nnx.MultiHeadAttention's argument; dilated attention has no
         dropout: anything else raises a ValueError naming it).
+      mesh, axis: sequence parallelism (None: one device). With a `jax.sharding.Mesh`, the
+        attention runs sharded over its axis `axis` (None: the mesh's only axis) through
+        `context_parallel_dilated_attention`: shard d holds the d-th contiguous block of S / P
+        tokens, and an ordering applies WITHIN each shard over its band of the grid (grid[0] / P
+        leading rows; None: each shard's tokens on their own near-square default grid). Needs
+        merge="lse" and no config; the projections run on the global arrays as placed (the
+        parameters are those of the one-device layer).
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -249,12 +260,13 @@ class MultiheadDilatedAttention(nnx.Module):
                  dilation_rates, causal: bool = False, merge: str = "lse", position: str = "none",
                  rope: Rope = Rope(), ordering: str | None = None, grid=None, implementation: str | None = None,
                  config=None, use_bias: bool = True, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-                 dropout_rate: float = 0.0, rngs: nnx.Rngs):
+                 dropout_rate: float = 0.0, mesh=None, axis=None, rngs: nnx.Rngs):
         self.spec = check_multihead_args(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                                          attention="dilated", position=position, rope=rope, causal=causal,
                                          segment_lengths=segment_lengths, dilation_rates=dilation_rates,
                                          merge=merge, dropout_rate=dropout_rate, ordering=ordering, grid=grid)
         self.implementation, self.config, self.dtype = implementation, config, dtype
+        self.mesh, self.axis = _check_mesh(mesh, axis, merge, config)
         _add_projections(self, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, positions=None):
@@ -264,7 +276,35 @@ class MultiheadDilatedAttention(nnx.Module):
         inputs_k = inputs_q if inputs_k is None else inputs_k
         inputs_v = inputs_k if inputs_v is None else inputs_v
         return _project_attend(self, (inputs_q, inputs_k, inputs_v), ("inputs_q", "inputs_k", "inputs_v"),
-                               positions=positions, config=self.config)
+                               positions=positions, config=self.config,
+                               attend=None if self.mesh is None else self._sharded_attention)
+
+    def _sharded_attention(self, q, k, v, *, merge, **kwargs):
+        """The attention with a mesh (merge="lse", checked at construction)."""
+        return context_parallel_dilated_attention(q, k, v, mesh=self.mesh, axis=self.axis, **kwargs)
+
+
+def _check_mesh(mesh, axis, merge, config):
+    """A dilated layer's mesh and axis -> (mesh, axis name) or (None, None) for one device."""
+    if mesh is None:
+        if axis is not None:
+            raise ValueError(f"axis={axis!r} is given without a mesh (pass mesh=jax.sharding.Mesh(...))")
+        return None, None
+    if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(f"axis=None needs a mesh of one axis; this mesh has axes {tuple(mesh.axis_names)}: "
+                             f"name the sequence axis")
+        axis = mesh.axis_names[0]
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)})")
+    if merge != "lse":
+        raise ValueError(f"the sequence-parallel dilated attention merges the branches by lse: merge must be "
+                         f"'lse' with a mesh, got merge={merge!r}")
+    if config is not None:
+        raise ValueError("config (a tile config) is not taken with a mesh: the sharded call picks its own tiles")
+    return mesh, axis
 
 
 class HilbertDilatedAttention(MultiheadDilatedAttention):
@@ -275,6 +315,12 @@ class HilbertDilatedAttention(MultiheadDilatedAttention):
     about sqrt(w) x sqrt(w) patches, not a strip of rows; causality keeps the original order. The
     kernels gather the rows through the permutation (no permuted copies). The same parameters as
     `MultiheadDilatedAttention` (q_proj, k_proj, v_proj, out_proj) and the same arguments, plus grid.
+
+    With mesh (and axis), sequence-parallel: each device holds a contiguous band of grid[0] / P
+    grid rows and the Hilbert order runs within that band (the sub-grid (rows / P, cols)), so
+    grid[0] must be a multiple of P; the segments are cut from the shards' Hilbert orders
+    concatenated (`ring_dilated_attention(ordering="hilbert")`). Segments inside a band need no
+    traffic; longer ones (whole bands) exchange only their dilated rows.
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -282,12 +328,12 @@ class HilbertDilatedAttention(MultiheadDilatedAttention):
                  dilation_rates, grid=None, causal: bool = False, merge: str = "lse", position: str = "none",
                  rope: Rope = Rope(), implementation: str | None = None, config=None, use_bias: bool = True,
                  dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, dropout_rate: float = 0.0,
-                 rngs: nnx.Rngs):
+                 mesh=None, axis=None, rngs: nnx.Rngs):
         super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                          segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal, merge=merge,
                          position=position, rope=rope, ordering="hilbert", grid=grid, implementation=implementation,
                          config=config, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                         dropout_rate=dropout_rate, rngs=rngs)
+                         dropout_rate=dropout_rate, mesh=mesh, axis=axis, rngs=rngs)
 
 
 class CompressMLP(nnx.Module):

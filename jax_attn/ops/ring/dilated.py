@@ -7,6 +7,11 @@ heads, since heads of one GQA group keep different rows), `scatter` puts a branc
 and lse back on the full rows (0 and -inf on the rows it does not keep). A segment inside a shard
 needs no traffic; a segment over g shards is ring attention on the compact rows over rings of those
 g shards (`ring.Static.group`): only the dilated rows travel.
+
+Under an ordering applied within each shard (`order`, the shard's permutation: ordered position t
+holds local row order[t]) a branch keeps the rows at ordered positions j = offset (mod r):
+`select` gathers them from their original rows order[m * r + offset] (kv heads indexed per query
+head, no repeated copy) and `scatter` puts the results back there.
 """
 from __future__ import annotations
 
@@ -14,19 +19,36 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def select(x, rate: int, num_heads: int):
-    """[B, L, Hx, D] -> [B, L / rate, H, D]: row m of head h is row m * rate + (h mod rate)."""
+def _ordered_rows(order, rate: int, num_heads: int):
+    """The local rows a branch keeps under `order` [L]: int [L / rate, H], order[m * rate + h mod rate]."""
+    length = order.shape[0]
+    ordered = np.arange(0, length, rate)[:, None] + (np.arange(num_heads) % rate)[None, :]
+    return jnp.asarray(order)[ordered]
+
+
+def select(x, rate: int, num_heads: int, order=None):
+    """[B, L, Hx, D] -> [B, L / rate, H, D]: row m of head h is row m * rate + (h mod rate), or
+    with `order` [L] (the shard's permutation) row order[m * rate + (h mod rate)]."""
     batch, length, heads, dim = x.shape
+    if order is not None:  # one gather of the kept rows; query head h reads kv head h // group
+        kv_head = (np.arange(num_heads) // (num_heads // heads))[None, :]
+        return x[:, _ordered_rows(order, rate, num_heads), kv_head]
     if heads != num_heads:  # kv heads: every query head reads its own copy (its rows differ)
         x = jnp.repeat(x, num_heads // heads, axis=2)
     offsets, head_ids = np.arange(num_heads) % rate, np.arange(num_heads)
     return x.reshape(batch, length // rate, rate, num_heads, dim)[:, :, offsets, head_ids]
 
 
-def scatter(out, lse, rate: int):
+def scatter(out, lse, rate: int, order=None):
     """The inverse of `select` on a branch's out [B, L / r, H, D] and lse [B, H, L / r] -> out
-    [B, L, H, D] (0 on rows the branch does not keep) and lse [B, H, L] (-inf there)."""
+    [B, L, H, D] (0 on rows the branch does not keep) and lse [B, H, L] (-inf there); `order` as
+    for `select`."""
     batch, rows, num_heads, dim = out.shape
+    if order is not None:
+        kept, head = _ordered_rows(order, rate, num_heads), np.arange(num_heads)[None, :]
+        full = jnp.zeros((batch, rows * rate, num_heads, dim), out.dtype).at[:, kept, head].set(out)
+        lse_full = jnp.full((batch, rows * rate, num_heads), -jnp.inf, lse.dtype)
+        return full, lse_full.at[:, kept, head].set(lse.transpose(0, 2, 1)).transpose(0, 2, 1)
     offsets, head_ids = np.arange(num_heads) % rate, np.arange(num_heads)
     full = jnp.zeros((batch, rows, rate, num_heads, dim), out.dtype).at[:, :, offsets, head_ids].set(out)
     lse_full = jnp.full((batch, rows, rate, num_heads), -jnp.inf, lse.dtype)

@@ -133,11 +133,14 @@ def pair_case(mask: Mask, delta: int, chunk: int):
     return delta * chunk
 
 
-def pair_cases(mask: Mask, layout: str, num_shards: int, source_of, q_slot: int, kv_slot: int, chunk: int):
+def pair_cases(mask: Mask, layout: str, num_shards: int, source_of, q_slot: int, kv_slot: int, chunk: int,
+               skip_own: bool = False):
     """For the pair (a shard's query chunk `q_slot`, key chunk `kv_slot` of shard `source_of(d)`):
     -> (cases, table): the distinct cases over the P shards (EMPTY first when present) and, per
-    shard, the index of its case, int32 [P]."""
-    per_shard = [pair_case(mask, chunk_of(layout, num_shards, d, q_slot)
+    shard, the index of its case, int32 [P]. skip_own: a shard's pairs with its own keys are EMPTY
+    (the caller computes them apart)."""
+    per_shard = [EMPTY if skip_own and source_of(d) == d else
+                 pair_case(mask, chunk_of(layout, num_shards, d, q_slot)
                            - chunk_of(layout, num_shards, source_of(d), kv_slot), chunk) for d in range(num_shards)]
     cases = sorted(set(per_shard), key=lambda c: (c != EMPTY, c != FULL, c if isinstance(c, int) else 0))
     table = np.array([cases.index(c) for c in per_shard], np.int32)

@@ -49,6 +49,8 @@ class Static:
     step: Step
     group: int = 0  # ring: rings of `group` consecutive shards (0: one ring of all; the sequence
     # of a ring is its shards' rows, e.g. one dilated segment spread over them)
+    skip_own: bool = False  # a shard's pairs with its own K/V are skipped (the caller computes them
+    # apart, e.g. under a mask the steps cannot express)
 
     def __post_init__(self):
         if self.group and (self.strategy != "ring" or self.num_shards % self.group):
@@ -73,7 +75,8 @@ class Static:
         return dataclasses.replace(self.spec, offset=case)
 
     def pair_cases(self, source_of, q_slot: int, kv_slot: int, chunk: int):
-        return lay.pair_cases(self.mask, self.layout, self.ring_size, source_of, q_slot, kv_slot, chunk)
+        return lay.pair_cases(self.mask, self.layout, self.ring_size, source_of, q_slot, kv_slot, chunk,
+                              self.skip_own)
 
     def sources(self):
         """Per visit: shard -> the shard whose K/V it sees (ring step t: d - t; all-gather: j);
