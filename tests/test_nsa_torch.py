@@ -331,6 +331,101 @@ def test_select_blocks_ties_to_lower_index():
     assert want[0, 99, 0].tolist() == [0, 1, 2, 11, 12] and want[0, 3, 0].tolist() == [0, -1, -1, -1, -1]
 
 
+def _rule_with_gap(imp, n, select_block):
+    """`reference.top_n` of float64 importances, and per row whether the cut is a near tie (the
+    n-th and (n+1)-th candidates within a relative 1e-5, neither forced: float32 may order them
+    either way)."""
+    want = torch_ref.ops.nsa.reference.top_n(imp, n, select_block)
+    B, S, Hkv, Nsel = imp.shape
+    t = torch.arange(S)[None, :, None, None]
+    j = torch.arange(Nsel)
+    score = imp.clone()
+    for f in spec.forced_blocks(t, select_block):
+        score = torch.where(j == f, float("inf"), score)
+    score = torch.where(j > t // select_block, float("-inf"), score)
+    top = torch.sort(score, dim=-1, descending=True).values
+    if Nsel <= n:
+        return want, torch.zeros((B, S, Hkv), dtype=torch.bool)
+    a, c = top[..., n - 1], top[..., n]
+    near = torch.isfinite(a) & (a > c) & ((a - c) <= 1e-5 * a.abs())  # exact ties (zeros) stay exact
+    return want, near
+
+
+# (name, B, S, Hq, Hkv, D, block, stride, select_block, n, segments, dtype): the CPU tile is 16
+# blocks, so Nsel > 16 crosses merges; n 1, powers of two, and not, below and above the tile
+FUSED_SELECT_CASES = [
+    ("identity-3tiles-n5", 1, 270, 4, 2, 16, 8, 8, 8, 5, False, torch.float32),
+    ("identity-n1-mha", 2, 150, 2, 2, 16, 8, 8, 8, 1, False, torch.float32),
+    ("identity-n20-above-tile", 1, 200, 2, 1, 16, 8, 8, 8, 20, False, torch.float32),
+    ("identity-n16-gqa16-fp16", 1, 140, 16, 1, 16, 8, 8, 8, 16, False, torch.float16),
+    ("identity-segments-n7", 2, 140, 4, 1, 16, 8, 8, 8, 7, True, torch.float32),
+    ("16-8-select16-carry", 1, 300, 4, 2, 16, 16, 8, 16, 3, False, torch.float32),
+    ("16-8-select16-segments-fp16", 1, 290, 4, 1, 16, 16, 8, 16, 6, True, torch.float16),
+    ("32-16-select64", 1, 260, 4, 2, 16, 32, 16, 64, 3, False, torch.float32),
+    ("32-16-select16-spill2", 1, 200, 2, 1, 16, 32, 16, 16, 4, False, torch.float32),
+    ("8-8-select4-small-select", 1, 120, 4, 2, 16, 8, 8, 4, 9, False, torch.float32),
+]
+
+
+@pytest.mark.parametrize("name,B,S,Hq,Hkv,D,block,stride,select_block,n,segments,dtype", FUSED_SELECT_CASES,
+                         ids=[c[0] for c in FUSED_SELECT_CASES])
+def test_select_blocks_fused_top_n(name, B, S, Hq, Hkv, D, block, stride, select_block, n, segments, dtype):
+    """The one-pass kernel (importance, running top-n merged tile by tile) against `reference.top_n`
+    of the float64 importance: integer equality on every row whose cut is not a near tie (and those
+    are rare); the forced blocks are always in, nothing beyond the frontier, -1 only last."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (_randn(gen, B, S, h, D).to(dtype) for h in (Hq, Hkv, Hkv))
+    ids = torch.sort(torch.randint(0, 3, (B, S), generator=gen), dim=1).values if segments else None
+    kc, vc = torch_ref.compress_kv(k, v, block=block, stride=stride)
+    _, lse = torch_ref.compression_attention(q, kc, vc, block=block, stride=stride, segment_ids=ids, return_lse=True,
+                                             implementation="eager")
+    got = torch_ref.registry.resolve("nsa", "triton", torch_ref.registry.Call.of(q)).fn(
+        "select_blocks", q, kc, lse, block=block, stride=stride, select_block=select_block, num_selected=n,
+        scale=D ** -0.5, segment_ids=ids)
+    imp = torch_ref.ops.nsa.reference.importance(q.double(), kc.double(), lse.double(), block=block, stride=stride,
+                                                  select_block=select_block, scale=D ** -0.5, segment_ids=ids)
+    want, near = _rule_with_gap(imp, n, select_block)
+    assert got.dtype == torch.int32 and got.shape == (B, S, Hkv, n)
+    assert near.float().mean() < 0.01
+    assert torch.equal(got[~near], want[~near])
+    t = torch.arange(S)[None, :, None, None]
+    own = t // select_block
+    assert bool(((got == 0).any(-1)).all())
+    assert bool(((got == own).any(-1) | (n < 2)).all())
+    assert bool((got <= own).all())
+    valid = got >= 0
+    assert bool((valid[..., 1:] <= valid[..., :-1]).all())  # -1 only after the indices
+
+
+@pytest.mark.parametrize("block,stride,select_block,n", [(8, 8, 8, 5), (8, 8, 8, 16), (16, 8, 16, 3), (8, 8, 8, 1)])
+def test_select_blocks_fused_ties(block, stride, select_block, n):
+    """Exact ties across merged tiles (all compressed keys equal: equal importances, or equal by
+    overlap count): integer equality with the rule everywhere, lower index first."""
+    B, S, Hq, Hkv, D = 1, 270, 2, 1, 16
+    gen = torch.Generator().manual_seed(3)
+    q = _randn(gen, B, S, Hq, D).float()
+    kc = torch.zeros(B, spec.compressed_count(S, block, stride), Hkv, D)
+    _, lse = torch_ref.compression_attention(q, kc, kc, block=block, stride=stride, return_lse=True,
+                                             implementation="eager")
+    imp = torch_ref.ops.nsa.reference.importance(q.double(), kc.double(), lse.double(), block=block, stride=stride,
+                                                  select_block=select_block, scale=D ** -0.5)
+    # p is the same for every visible block of a row: round it away so equal counts tie exactly
+    imp = torch.round(imp * 1e6) / 1e6
+    want = torch_ref.ops.nsa.reference.top_n(imp, n, select_block)
+    got = torch_ref.select_blocks(q, kc, lse, block=block, stride=stride, select_block=select_block, num_selected=n,
+                                  implementation="triton")
+    assert torch.equal(got, want)
+
+
+def test_select_blocks_fused_refuses_wide_n():
+    q = torch.zeros(1, 9000, 1, 16)
+    kc = torch.zeros(1, spec.compressed_count(9000, 8, 8), 1, 16)
+    lse = torch.zeros(1, 1, 9000)
+    with pytest.raises(NotImplementedError, match="num_selected=129"):
+        torch_ref.ops.nsa.triton.select_blocks(q, kc, lse, block=8, stride=8, select_block=8, num_selected=129,
+                                               scale=0.25)
+
+
 # ----------------------------------------------------------------------------------------------
 # nsa_attention
 # ----------------------------------------------------------------------------------------------
@@ -548,6 +643,39 @@ def test_gpu_determinism_and_default_geometry():
     slow = torch_ref.ops.nsa.reference.top_n(imp, 16, 64)
     agree = (fast[:, :2048] == slow).all(-1)
     assert agree.float().mean() > 0.99, agree.float().mean()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq,Hkv,cmp,n", [(64, 4, (64, 64), 16), (64, 4, (32, 16), 16), (16, 16, (32, 16), 16),
+                                          (16, 1, (64, 64), 64), (32, 2, (32, 16), 7)])
+def test_gpu_select_blocks_fused(Hq, Hkv, cmp, n):
+    """Compiled one-pass block selection at S = 8192, bf16, against `reference.top_n` of the float64
+    importance of the same inputs: integer equality on every row whose cut is not a near tie."""
+    if not torch.cuda.is_available():
+        pytest.fail("a gpu test needs CUDA")
+    gen = torch.Generator().manual_seed(4)
+    B, S, D, sb = 1, 8192, 128, 64
+    q, k, v = (_randn(gen, B, S, h, D, device="cuda").to(torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    kc, vc = torch_ref.compress_kv(k, v, block=cmp[0], stride=cmp[1])
+    _, lse = torch_ref.compression_attention(q, kc, vc, block=cmp[0], stride=cmp[1], return_lse=True)
+    got = torch_ref.select_blocks(q, kc, lse, block=cmp[0], stride=cmp[1], select_block=sb, num_selected=n,
+                                  implementation="triton")
+    rows = [_importance_rows(q, kc, lse, cmp, sb, D ** -0.5, lo, min(lo + 1024, S)) for lo in range(0, S, 1024)]
+    imp = torch.cat(rows, dim=1)
+    want, near = _rule_with_gap(imp.cpu(), n, sb)
+    got = got.cpu()
+    assert near.float().mean() < 0.01, near.float().mean()
+    assert torch.equal(got[~near], want[~near])
+
+
+def _importance_rows(q, kc, lse, cmp, sb, scale, lo, hi):
+    """float64 importances of queries [lo, hi), padded to the whole sequence's selection blocks."""
+    S = q.shape[1]
+    imp = torch_ref.ops.nsa.reference.importance(q[:, :hi].double(), kc[:, :spec.compressed_count(hi, *cmp)].double(),
+                                                  lse[..., :hi].double(), block=cmp[0], stride=cmp[1],
+                                                  select_block=sb, scale=scale)[:, lo:]
+    pad = spec.selection_count(S, sb) - imp.shape[-1]
+    return torch.nn.functional.pad(imp, (0, pad))
 
 
 @pytest.mark.parametrize("S", [1, 5, 17])
