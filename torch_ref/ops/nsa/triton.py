@@ -62,9 +62,9 @@ class NSABlockSizes:
       min(block_n_dkv, block_size) for block lists); tokens_dkv: query tokens per dK/dV step for a
       group of up to 16 (rows = tokens_dkv * 16; larger groups take proportionally fewer tokens);
       chunk_dkv: the most plan pieces one dK/dV program takes (longer lists are split; their
-      partials are summed in order); block_imp, num_warps_imp: the block selection kernel's rows
-      (tokens x the padded group) and its compression tile (block == stride == select; else its
-      selection tile is max(16, block_imp // 4) blocks), and warps."""
+      partials are summed in order); query_chunk: query tokens per step of the block selection
+      (bounds its int64 top-n keys [B, chunk, Hkv, Nsel]); block_imp, num_warps_imp: the importance
+      kernel's query tile (and its compression / selection tile) and warps."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -74,6 +74,7 @@ class NSABlockSizes:
     chunk_dkv: int = 1024
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
+    query_chunk: int = 8192
     block_imp: int = 64
     num_warps_imp: int = 8
 
@@ -84,7 +85,7 @@ class NSABlockSizes:
                 raise ValueError(f"NSABlockSizes.{name} must be a power of two, got {value!r}")
         if min(self.block_n, self.block_n_dkv, self.block_imp) < 16:
             raise ValueError(f"NSABlockSizes.block_n, block_n_dkv and block_imp must be >= 16 (tl.dot), got {self}")
-        for name in ("num_warps", "num_stages", "chunk_dkv", "num_warps_bwd", "num_stages_bwd",
+        for name in ("num_warps", "num_stages", "chunk_dkv", "num_warps_bwd", "num_stages_bwd", "query_chunk",
                      "num_warps_imp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -99,12 +100,12 @@ def default_nsa_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> 
     and chunks, so CPU tests cross tile and chunk edges."""
     if not on_gpu:
         return NSABlockSizes(block_n=16, num_warps=4, num_stages=1, block_n_dkv=16, tokens_dkv=2, chunk_dkv=8,
-                             num_warps_bwd=4, num_stages_bwd=1, block_imp=16, num_warps_imp=4)
+                             num_warps_bwd=4, num_stages_bwd=1, query_chunk=24, block_imp=16, num_warps_imp=4)
     if dtype != torch.float32 and block_d(head_dim) <= 128:
         return NSABlockSizes(block_n=64, num_warps=4, num_stages=2, block_n_dkv=64, tokens_dkv=2, chunk_dkv=1024,
-                             num_warps_bwd=8, num_stages_bwd=2, block_imp=64, num_warps_imp=8)
+                             num_warps_bwd=8, num_stages_bwd=2, query_chunk=8192, block_imp=64, num_warps_imp=8)
     return NSABlockSizes(block_n=32, num_warps=8, num_stages=2, block_n_dkv=32, tokens_dkv=1, chunk_dkv=1024,
-                         num_warps_bwd=8, num_stages_bwd=2, block_imp=32, num_warps_imp=8)
+                         num_warps_bwd=8, num_stages_bwd=2, query_chunk=8192, block_imp=32, num_warps_imp=8)
 
 
 def _rows(group: int) -> int:
@@ -652,156 +653,103 @@ def combine(gates, o_cmp, o_slc, o_win=None, config=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Block selection: importance and the top-n rule in one pass
+# Block selection: importance (chunks of queries) and the top-n rule
 # ----------------------------------------------------------------------------------------------
-MAX_SELECTED = 128  # the running top-n lives in registers: [tokens, next_power_of_2(n)] int64 per program
+def _top_n(keys, num_selected: int):
+    """The rule of `reference.top_n` from the importance kernel's unique int64 keys [..., Nsel]
+    (importance bits << 32 | Nsel - 1 - j, forced blocks with +inf's bits, -1 beyond the frontier):
+    one torch.topk (unique keys: one answer, ties to the lower index), decoded, ascending, -1 last."""
+    Nsel = keys.shape[-1]
+    top = torch.topk(keys, num_selected, dim=-1, sorted=False).values
+    big = torch.iinfo(torch.int32).max
+    idx = torch.where(top >= 0, (Nsel - 1) - (top & 0xFFFFFFFF), big)
+    idx = torch.sort(idx, dim=-1).values
+    return torch.where(idx == big, -1, idx).to(torch.int32)
 
 
 @triton.jit
-def _first_half(x):
-    """x [T, W] -> x[:, :W // 2] (a reshape, a permute and a split: no gather)."""
-    y = tl.permute(tl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), [0, 2, 1])
-    first, _ = tl.split(y)
-    return first
-
-
-@triton.jit
-def _select_kernel(Q, KC, LSE, SEG, BLK_SEG, OUT, S, Nc, Nsel,
-                   sqb, sqs, sqh, sqd, skb, sks, skh, skd, slb, slh, sls, ssb, sss, sbb, sbn,
-                   sob, sos, soh, son, score_mul,
-                   BLOCK: tl.constexpr, STRIDE: tl.constexpr, SELECT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TOKENS: tl.constexpr, TOKENS_DOT: tl.constexpr,
-                   BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
-                   NUM_SEL: tl.constexpr, BLOCK_SEL: tl.constexpr, HALVINGS: tl.constexpr, DOUBLINGS: tl.constexpr,
-                   IDENTITY: tl.constexpr, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
-    """grid (cdiv(S, TOKENS), Hkv, B): OUT[b, t, g, :NUM_SEL] for TOKENS queries t, the top-n rule
-    (`attn_spec.nsa`) over the importance of every selection block j <= t // SELECT.
-
-    The rows of the score tile are the TOKENS tokens x the group's BLOCK_G (padded) query heads,
-    row = token * BLOCK_G + head: q and lse are loaded once. The loop walks selection tiles of
-    BLOCK_J blocks up to the program's causal frontier; selection tile jt takes compression tile jt
-    (BLOCK_I = BLOCK_J * SELECT / STRIDE blocks: the ones that start in its keys), p = 2^(s2 - lse2)
-    on the visible blocks, summed over the heads one head at a time in head order (a masked sum
-    extracts one head exactly), so the sum is the same float as a loop over heads. IDENTITY (block ==
-    stride == select): that sum is the importance. Else the fp32 (IEEE, FMA in block order) product
-    with the overlap tile; the compression blocks of tile jt that reach into tile jt + 1 (block >
-    stride) are carried into it as the product's initial value, so every block's terms are added in
-    block order from 0. The importances become `(bits << 32) | (Nsel - 1 - j)` int64 keys (forced
-    blocks +inf, -1 beyond the frontier; unique, so the order is total with ties to the lower index),
-    and a running top BLOCK_SEL per token is merged with each tile's by one sort of the pair."""
-    pid = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)
+def _importance_kernel(Q, KC, LSE, SEG, BLK_SEG, KEYS, t0, C, S, Nc, Nsel, NJ, GROUP,
+                       sqb, sqs, sqh, sqd, skb, sks, skh, skd, slb, slh, sls, ssb, sss, sbb, sbn,
+                       sib, sis, sih, sij, score_mul,
+                       BLOCK: tl.constexpr, STRIDE: tl.constexpr, SELECT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+                       IDENTITY: tl.constexpr, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(C, BLOCK_M), Hkv * NJ, B): KEYS[b, t - t0, g, j] (int64, `_top_n`'s) of the
+    importance of selection block j for query t in [t0, t0 + C) (a tile of BLOCK_J blocks): the sum
+    over compression blocks i (the tile's overlap range, block-causal) of overlap[i, j] * the sum over
+    the group's heads h of 2^(s2 - lse2) (the compression softmax's probabilities). IDENTITY (block
+    == stride == select): overlap is the identity and the compression tile is the selection tile
+    (BLOCK_I == BLOCK_J); else an fp32 (IEEE) product with the overlap tile, from the geometry."""
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1) // NJ
+    jt = tl.program_id(1) % NJ
     b = tl.program_id(2).to(tl.int64)
-    ROWS: tl.constexpr = TOKENS * BLOCK_G
-    r = tl.arange(0, ROWS)
-    head = r % BLOCK_G
-    t_r = (pid * TOKENS + r // BLOCK_G).to(tl.int64)
-    r_ok = (head < GROUP) & (t_r < S)
-    hq = g * GROUP + head
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = local < C
+    t = (t0 + local).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(Q + b * sqb + t_r[:, None] * sqs + hq[:, None] * sqh + d[None, :] * sqd,
-                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-    lse2 = tl.load(LSE + b * slb + hq * slh + t_r * sls, mask=r_ok, other=float("-inf")) * 1.4426950408889634
-    seen = lse2 > float("-inf")
-    lse2 = tl.where(seen, lse2, 0.0)
+    j = jt * BLOCK_J + tl.arange(0, BLOCK_J)
+    j_lo = jt * BLOCK_J
+    j_hi = tl.minimum(j_lo + BLOCK_J, Nsel)
+    t_max = tl.minimum(t0 + tl.minimum((pid_m + 1) * BLOCK_M, C), S) - 1
+    # the compression blocks that share a key with the tile, and are complete at t_max
+    # (no division of negatives: compiled Triton truncates, the interpreter floors)
+    i_lo = tl.where(j_lo * SELECT >= BLOCK, (tl.maximum(j_lo * SELECT - BLOCK, 0)) // STRIDE + 1, 0)
+    i_hi = tl.minimum(Nc, (j_hi * SELECT + STRIDE - 1) // STRIDE)
+    i_hi = tl.minimum(i_hi, tl.where(t_max >= BLOCK - 1, tl.maximum(t_max - BLOCK + 1, 0) // STRIDE + 1, 0))
     qs = 0
     if HAS_SEGMENTS:
-        qs = 2 * tl.load(SEG + b * ssb + t_r * sss, mask=r_ok, other=0).to(tl.int64)
-    t = (pid * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
-    t_ok = t < S
-    own = t // SELECT
-    t_last = tl.minimum(pid * TOKENS + TOKENS, S) - 1
-    # compression blocks complete at the program's last token (no division of negatives)
-    i_end = tl.minimum(Nc, tl.where(t_last >= BLOCK - 1, tl.maximum(t_last - BLOCK + 1, 0) // STRIDE + 1, 0))
-    heads = tl.arange(0, BLOCK_G)[None, :, None]
-    copies = tl.arange(0, TOKENS_DOT // TOKENS)[:, None, None]
-    top = tl.full((TOKENS, BLOCK_SEL), -1, tl.int64)
-    carry = tl.zeros((TOKENS_DOT, BLOCK_J), dtype=tl.float32)
-    for jt in range(0, t_last // SELECT // BLOCK_J + 1):
-        j = jt * BLOCK_J + tl.arange(0, BLOCK_J)
-        i = jt * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_ok = i < i_end
-        vis = seen[:, None] & i_ok[None, :] & (i[None, :] * STRIDE + BLOCK - 1 <= t_r[:, None])
+        qs = 2 * tl.load(SEG + b * ssb + t * sss, mask=m_ok, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
+    for i0 in range(i_lo, i_hi, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        i_ok = i < i_hi
+        vis = m_ok[:, None] & i_ok[None, :] & (i[None, :] * STRIDE + BLOCK - 1 <= t[:, None])
         if HAS_SEGMENTS:
             blk = tl.load(BLK_SEG + b * sbb + i * sbn, mask=i_ok, other=0)
             vis = vis & (blk[None, :] == qs[:, None])
         kcT = tl.trans(tl.load(KC + b * skb + g * skh + i[:, None] * sks + d[None, :] * skd,
                                mask=i_ok[:, None] & d_ok[None, :], other=0.0))
-        s2 = tl.dot(q, kcT, input_precision=PRECISION) * score_mul
-        p = tl.reshape(tl.where(vis, tl.exp2(s2 - lse2[:, None]), 0.0), [TOKENS, BLOCK_G, BLOCK_I])
-        psum = tl.zeros((TOKENS, BLOCK_I), dtype=tl.float32)
-        for h in tl.static_range(GROUP):
-            psum += tl.sum(tl.where(heads == h, p, 0.0), axis=1)
+        psum = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+        for h in range(GROUP):
+            hq = g * GROUP + h
+            q = tl.load(Q + b * sqb + t[:, None] * sqs + hq * sqh + d[None, :] * sqd,
+                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            lse2 = tl.load(LSE + b * slb + hq * slh + t * sls, mask=m_ok, other=float("-inf")) * 1.4426950408889634
+            seen = lse2 > float("-inf")
+            s2 = tl.dot(q, kcT, input_precision=PRECISION) * score_mul
+            psum += tl.where(vis & seen[:, None], tl.exp2(s2 - tl.where(seen, lse2, 0.0)[:, None]), 0.0)
         if IDENTITY:
-            acc = psum
+            acc += psum
         else:
-            # tl.dot takes >= 16 rows: the tokens repeated TOKENS_DOT // TOKENS times, copy 0 kept
-            rep = tl.reshape(tl.broadcast_to(psum[None, :, :], [TOKENS_DOT // TOKENS, TOKENS, BLOCK_I]),
-                             [TOKENS_DOT, BLOCK_I])
-            start = i[:, None] * STRIDE
-            ov = ((start < (j[None, :] + 1) * SELECT) & (start + BLOCK > j[None, :] * SELECT)).to(tl.float32)
-            jn = j + BLOCK_J
-            ov_next = ((start < (jn[None, :] + 1) * SELECT) & (start + BLOCK > jn[None, :] * SELECT)).to(tl.float32)
-            acc_rep = tl.dot(rep, ov, carry, input_precision="ieee")
-            carry = tl.dot(rep, ov_next, tl.zeros((TOKENS_DOT, BLOCK_J), dtype=tl.float32), input_precision="ieee")
-            acc = tl.sum(tl.where(copies == 0, tl.reshape(acc_rep, [TOKENS_DOT // TOKENS, TOKENS, BLOCK_J]), 0.0),
-                         axis=0)
-        forced = (j[None, :] == 0) | (j[None, :] == own[:, None] - 1) | (j[None, :] == own[:, None])
-        bits = tl.where(forced, float("inf"), acc).to(tl.int32, bitcast=True).to(tl.int64)
-        key = tl.where(j[None, :] > own[:, None], -1, (bits << 32) | (Nsel - 1 - j[None, :]).to(tl.int64))
-        # the tile's keys to BLOCK_SEL columns: its top BLOCK_SEL, or padded with -1
-        if HALVINGS > 0:
-            key = tl.sort(key, descending=True)
-            for _ in tl.static_range(HALVINGS):
-                key = _first_half(key)
-        for _ in tl.static_range(DOUBLINGS):
-            key = tl.reshape(tl.join(key, tl.full(key.shape, -1, tl.int64)), [TOKENS, key.shape[1] * 2])
-        both = tl.sort(tl.reshape(tl.join(top, key), [TOKENS, 2 * BLOCK_SEL]), descending=True)
-        top = _first_half(both)
-    # decode the NUM_SEL largest keys (top is sorted, descending): ascending indices, -1 last
-    col = tl.arange(0, BLOCK_SEL)
-    big = 2147483647
-    idx = tl.where((top >= 0) & (col[None, :] < NUM_SEL), (Nsel - 1 - (top & 0xFFFFFFFF)).to(tl.int32), big)
-    idx = tl.sort(idx)
-    idx = tl.where(idx == big, -1, idx)
-    tl.store(OUT + b * sob + t[:, None] * sos + g * soh + col[None, :] * son, idx,
-             mask=t_ok[:, None] & (col[None, :] < NUM_SEL))
-
-
-def _log2(x: int) -> int:
-    return x.bit_length() - 1
+            ov = ((i[:, None] * STRIDE < (j[None, :] + 1) * SELECT)
+                  & (i[:, None] * STRIDE + BLOCK > j[None, :] * SELECT)).to(tl.float32)
+            acc = tl.dot(psum, ov, acc, input_precision="ieee")
+    # the top-n's keys (`_top_n`): importance bits (order-preserving for floats >= 0; forced blocks
+    # +inf), then the reversed index (equal importances: the lower index larger); -1 beyond t's frontier
+    own = t // SELECT
+    forced = (j[None, :] == 0) | (j[None, :] == own[:, None] - 1) | (j[None, :] == own[:, None])
+    bits = tl.where(forced, float("inf"), acc).to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(j[None, :] > own[:, None], -1, (bits << 32) | (Nsel - 1 - j[None, :]).to(tl.int64))
+    tl.store(KEYS + b * sib + local[:, None] * sis + g * sih + j[None, :] * sij, key,
+             mask=m_ok[:, None] & (j < Nsel)[None, :])
 
 
 def select_blocks(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: int, num_selected: int,
                   scale: float, segment_ids=None, config: NSABlockSizes = None):
-    """int32 [B, S, Hkv, num_selected]: the importance and its top-n in one kernel (`_select_kernel`;
-    neither the [B, S, Hq, Nc] probabilities nor [B, S, Hkv, Nsel] importances exist in memory).
-    Tiles: block_imp rows (tokens x the padded group), block_imp compression blocks when block ==
-    stride == select_block, else selection tiles of max(16, block_imp // 4) blocks."""
+    """int32 [B, S, Hkv, num_selected]: the importance of query_chunk queries at a time as top-n keys
+    int64 [B, chunk, Hkv, Nsel] (`_importance_kernel`; never the [B, S, Hq, Nc] probabilities), and
+    each chunk's top-n by one torch.topk (`_top_n`)."""
     config = config or default_nsa_block_sizes(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
-    if num_selected > MAX_SELECTED:
-        raise NotImplementedError(f"select_blocks (triton) keeps at most {MAX_SELECTED} blocks per row in registers, "
-                                  f"got num_selected={num_selected}")
     B, S, Hq, D = q.shape
     Nc, Hkv = k_cmp.shape[1], k_cmp.shape[2]
     G = Hq // Hkv
     Nsel = spec.selection_count(S, select_block)
     out = torch.empty((B, S, Hkv, num_selected), dtype=torch.int32, device=q.device)
-    if out.numel() == 0:
-        return out
-    block_g = triton.next_power_of_2(G)
-    tokens = max(1, config.block_imp // block_g)
     identity = block == stride == select_block
-    if identity:
-        block_j = block_i = config.block_imp
-    else:
-        # selection tile jt takes the compression blocks that start in its keys (block_i of them, >= 16
-        # for the dot); those reaching past it may only spill into the next tile
-        block_j = max(16, config.block_imp // 4, 16 * stride // select_block,
-                      triton.next_power_of_2(-(-(block - stride) // select_block)))
-        block_i = block_j * select_block // stride
-    block_sel = triton.next_power_of_2(num_selected)
+    block_j = config.block_imp if identity else max(16, config.block_imp // 4)
+    nj = triton.cdiv(Nsel, block_j)
     if segment_ids is None:
         seg = blk = torch.zeros(1, dtype=torch.int64, device=q.device)
         seg_strides = (0, 0, 0, 0)
@@ -809,12 +757,15 @@ def select_blocks(q, k_cmp, lse_cmp, *, block: int, stride: int, select_block: i
         seg, blk = segment_ids, reference.compressed_segments(segment_ids, block, stride)
         seg_strides = (*seg.stride(), *blk.stride())
     with torch.no_grad(), device_ctx(q):
-        _select_kernel[(triton.cdiv(S, tokens), Hkv, B)](
-            q, k_cmp, lse_cmp, seg, blk, out, S, Nc, Nsel, *q.stride(), *k_cmp.stride(), *lse_cmp.stride(),
-            *seg_strides, *out.stride(), scale * LOG2E, BLOCK=block, STRIDE=stride, SELECT=select_block,
-            HEAD_DIM=D, GROUP=G, BLOCK_G=block_g, TOKENS=tokens, TOKENS_DOT=max(16, tokens), BLOCK_I=block_i,
-            BLOCK_J=block_j, BLOCK_D=block_d(D), NUM_SEL=num_selected, BLOCK_SEL=block_sel,
-            HALVINGS=max(0, _log2(block_j) - _log2(block_sel)), DOUBLINGS=max(0, _log2(block_sel) - _log2(block_j)),
-            IDENTITY=identity, HAS_SEGMENTS=segment_ids is not None, PRECISION=precision(q.dtype),
-            num_warps=config.num_warps_imp, num_stages=config.num_stages)
+        for t0 in range(0, S, config.query_chunk):
+            C = min(config.query_chunk, S - t0)
+            keys = torch.empty((B, C, Hkv, Nsel), dtype=torch.int64, device=q.device)
+            _importance_kernel[(triton.cdiv(C, config.block_imp), Hkv * nj, B)](
+                q, k_cmp, lse_cmp, seg, blk, keys, t0, C, S, Nc, Nsel, nj, G, *q.stride(), *k_cmp.stride(),
+                *lse_cmp.stride(), *seg_strides, *keys.stride(), scale * LOG2E, BLOCK=block, STRIDE=stride,
+                SELECT=select_block, HEAD_DIM=D, BLOCK_M=config.block_imp,
+                BLOCK_I=block_j if identity else config.block_imp, BLOCK_J=block_j, BLOCK_D=block_d(D),
+                IDENTITY=identity, HAS_SEGMENTS=segment_ids is not None, PRECISION=precision(q.dtype),
+                num_warps=config.num_warps_imp, num_stages=config.num_stages)
+            out[:, t0:t0 + C] = _top_n(keys, num_selected)
     return out
