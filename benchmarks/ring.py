@@ -10,6 +10,9 @@ Cases: bf16, B=1, 16 heads of 128, causal, forward and forward+backward, at 128k
 (and 1M on 4 or more GPUs); --quick: 32k (a smoke run in under two minutes); --smoke: tiny float32
 shapes on 4 CPU devices (the code paths only); --lengths picks others. A full run on 4 GPUs times
 the one-GPU kernel at 1M tokens too (tens of seconds a call): `--repeats 1` or `--budget` keep it short.
+The run sets XLA's latency-hiding scheduler (`--xla_gpu_enable_latency_hiding_scheduler=true`
+appended to XLA_FLAGS; the results record the flags), which overlaps the ring's transfers with
+the steps' kernels; `--default-scheduling` leaves XLA's default.
 
 Columns (each row one (case, column, mode)):
     one_gpu          jax_attn.flash_attention on the first GPU (the default implementation)
@@ -26,9 +29,13 @@ from __future__ import annotations
 import os
 import sys
 
+LATENCY_HIDING = "--xla_gpu_enable_latency_hiding_scheduler=true"
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--smoke" in sys.argv:  # four CPU devices, before jax starts
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+if "--default-scheduling" not in sys.argv:  # let XLA overlap the K/V transfers with the steps' kernels
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + LATENCY_HIDING).strip()
 from benchmarks import harness  # noqa: E402  (before jax: allocator and platform settings)
 
 import time  # noqa: E402
@@ -77,6 +84,8 @@ def main(argv=None) -> int:
     p = harness.parser(__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default=None, help="comma-separated sequence lengths (overrides the defaults)")
     p.add_argument("--implementation", default=None, help="the engine of every call (default: the library's rule)")
+    p.add_argument("--default-scheduling", action="store_true",
+                   help=f"leave XLA's scheduler as it is (without it the run sets {LATENCY_HIDING})")
     opts = p.parse_args(argv)
     if opts.repeats is None:
         opts.repeats = 2 if opts.smoke else 3
@@ -89,7 +98,8 @@ def main(argv=None) -> int:
     columns = harness.select([harness.Column(c, None) for c in COLUMNS], opts.columns, key=lambda c: c.name)
     heads, dim = (4, 32) if opts.smoke else (16, 128)
     doc, stem = harness.new_document("ring", opts, anchors={}, devices=n,
-                                     device_names=[d.device_kind for d in devices])
+                                     device_names=[d.device_kind for d in devices],
+                                     xla_flags=os.environ.get("XLA_FLAGS", ""))
     sharding = NamedSharding(mesh, P(None, "sp"))
     for i, seq in enumerate(lengths(opts, n)):
         case = harness.Case("causal", 1, seq, heads, dim, causal=True, params={"devices": n})
