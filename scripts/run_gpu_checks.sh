@@ -9,7 +9,9 @@
 #            stick_breaking.py, dilated.py, orderings.py, sweep_blocks.py (extra arguments: SOFTMAX_ARGS,
 #            SB_ARGS, DILATED_ARGS, ORDERINGS_ARGS)
 #   ring     benchmarks/ring.py on every visible GPU (RING_ARGS, e.g. --quick; only when named: it
-#            wants several GPUs)
+#            wants several GPUs). The multi-GPU tests (tests/test_ring*.py -m gpu) compile S = 16k-32k
+#            ring programs and their one-device references: more than 4 minutes; give them a call
+#            of their own (GPU_TEST_FILES="tests/test_ring.py tests/test_ring_dilated_ordered.py").
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -36,7 +38,7 @@ if has tests; then
 fi
 wait  # the tests and parity side by side run out of GPU memory: one stage at a time
 if has parity; then
-  for v in ${PARITY_VARIANTS:-softmax stick_breaking dilated layers}; do
+  for v in ${PARITY_VARIANTS:-softmax stick_breaking dilated nsa layers}; do
     timeout ${PARITY_TIMEOUT:-420} python3 -m parity.check --variant "$v" --json "$OUT/parity-gpu-$v.json" \
       > "$OUT/parity-gpu-$v.txt" 2>&1 &
   done
