@@ -382,8 +382,8 @@ def probed(fn, args, kwargs, cache=None) -> Probe:
         fn(*args, **kwargs)  # stopped at its choice: nothing runs
     if p.key is None:
         raise ValueError(f"{getattr(fn, '__name__', fn)!r} made no implementation choice that the autotuner can "
-                         f"key (it serves the functions that take implementation= and config=, e.g. "
-                         f"flash_attention)")
+                         f"key (it serves flash_attention, stick_breaking_attention and "
+                         f"dilated_attention)")
     return p
 
 

@@ -122,7 +122,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
         "triton" raises NotImplementedError when it cannot serve the call (float64, or a CPU tensor
         without the interpreter). There is no silent fallback (`torch_ref.registry`).
       config: for "triton", a `torch_ref.BlockSizes` (the fields of jax_attn's); "eager" takes
-        none. None: the default for the call (`default_block_sizes`). TypeError for another type.
+        none. None: the autotune cache's entry for the call if there is one (`torch_ref.autotune`),
+        else the default for the call (`default_block_sizes`). TypeError for another type.
 
     Precision: softmax statistics in float32. On the GPU, float32 inputs use IEEE fp32 dots unless
     torch.backends.cuda.matmul.allow_tf32 is True, then TF32.

@@ -100,7 +100,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         why; an unknown name raises UnknownImplementationError (ValueError, NotImplementedError).
       config: the tile config of the chosen implementation: a `BlockSizes` for "triton", a
         `MosaicBlockSizes` for "mosaic" (with RoPE: block_q = block_q_bwd = block_k_bwd = 64);
-        "xla" takes none. None: its default for the call (`registry.REGISTRY[...].default_config`).
+        "xla" takes none. None: the autotune cache's entry for the call if there is one
+        (`jax_attn.autotune`), else its default (`registry.REGISTRY[...].default_config`).
         TypeError for another type, ValueError for a config that cannot serve the call.
 
     Float32 inputs use the matmul precision JAX is configured with
@@ -190,8 +191,9 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
         walks every tile, while the Triton forward ends a row block's walk where its sticks are
         spent (docs/design/stick_breaking.md).
       config: a `StickBreakingBlockSizes` for "triton" and "mosaic" (for "mosaic" the backward's
-        tiles, with block_k = 64); "xla" takes none. None: the implementation's default for the
-        call. TypeError for another type, ValueError for a config that cannot serve the call.
+        tiles, with block_k = 64); "xla" takes none. None: the autotune cache's entry for the
+        call if there is one, else the implementation's default for the call. TypeError for
+        another type, ValueError for a config that cannot serve the call.
 
     A row with no visible key returns 0 (rem 1) and zero gradients, never NaN.
 
