@@ -5,8 +5,9 @@ A key is (framework, device kind, variant, shape class, dtype, flags): the shape
 sequence lengths to powers of two and keeps the head dim and the GQA group size exactly; the flags
 are the variant's features of the call that change which kernels run (softmax: causal, window,
 softcap, segments, RoPE, ALiBi, dropout, ordering, offsets; stick-breaking: attend_current,
-segments, RoPE, offsets; dilated: causal, merge, ordering and the (segment, rate) branches). An entry stores the fastest implementation and, for every
-implementation that was timed, its fastest config, so an explicit implementation with config=None
+segments, RoPE, offsets; dilated: causal, merge, ordering and the (segment, rate) branches). An
+entry stores the fastest implementation and, for every implementation that was timed, its fastest
+config, so an explicit implementation with config=None
 reads its own tuned config.
 
 The file: `$JAX_ATTN_CACHE` if set, else `$XDG_CACHE_HOME/jax_attn/autotune.json` (default
@@ -38,8 +39,8 @@ FORMAT_VERSION = 1
 ENV_VAR = "JAX_ATTN_CACHE"
 
 __all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "branches_flag", "cache_key",
-           "call_key", "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup", "probe",
-           "record_of", "select", "shape_class", "store", "using_path"]
+           "call_key", "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup",
+           "probe", "record_of", "select", "shape_class", "store", "using_path"]
 
 
 class CacheError(ValueError):
