@@ -7,8 +7,7 @@ are the variant's features of the call that change which kernels run (softmax: c
 softcap, segments, RoPE, ALiBi, dropout, ordering, offsets; stick-breaking: attend_current,
 segments, RoPE, offsets; dilated: causal, merge, ordering and the (segment, rate) branches). An
 entry stores the fastest implementation and, for every implementation that was timed, its fastest
-config, so an explicit implementation with config=None
-reads its own tuned config.
+config, so an explicit implementation with config=None reads its own tuned config.
 
 The file: `$JAX_ATTN_CACHE` if set, else `$XDG_CACHE_HOME/jax_attn/autotune.json` (default
 `~/.cache/jax_attn/autotune.json`); every function takes `path=` to override both. Written
