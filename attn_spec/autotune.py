@@ -3,10 +3,11 @@ the rule by which implementation=None / config=None read it (docs/design/autotun
 
 A key is (framework, device kind, variant, shape class, dtype, flags): the shape class buckets the
 sequence lengths to powers of two and keeps the head dim and the GQA group size exactly; the flags
-are the features of the call that change which kernels run (causal, window, softcap, segments,
-RoPE, ALiBi, dropout, ordering, offsets). An entry stores the fastest implementation and, for every
-implementation that was timed, its fastest config, so an explicit implementation with config=None
-reads its own tuned config.
+are the variant's features of the call that change which kernels run (softmax: causal, window,
+softcap, segments, RoPE, ALiBi, dropout, ordering, offsets; stick-breaking: attend_current,
+segments, RoPE, offsets; dilated: causal, merge, ordering and the (segment, rate) branches). An
+entry stores the fastest implementation and, for every implementation that was timed, its fastest
+config, so an explicit implementation with config=None reads its own tuned config.
 
 The file: `$JAX_ATTN_CACHE` if set, else `$XDG_CACHE_HOME/jax_attn/autotune.json` (default
 `~/.cache/jax_attn/autotune.json`); every function takes `path=` to override both. Written
@@ -25,6 +26,7 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime
+import inspect
 import json
 import os
 import tempfile
@@ -35,9 +37,9 @@ from typing import Any, Callable, Iterable
 FORMAT_VERSION = 1
 ENV_VAR = "JAX_ATTN_CACHE"
 
-__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "cache_key",
-           "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup", "probe",
-           "record_of", "select", "shape_class", "store", "using_path"]
+__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "branches_flag", "cache_key",
+           "call_key", "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup",
+           "probe", "record_of", "select", "shape_class", "store", "using_path"]
 
 
 class CacheError(ValueError):
@@ -78,6 +80,20 @@ def cache_key(framework: str, device_kind: str, variant: str, shape: str, dtype:
     flag_text = ",".join(f"{name}={int(value) if isinstance(value, bool) else value}"
                          for name, value in sorted(flags.items()))
     return "|".join((framework, device_kind, variant, shape, str(dtype), flag_text))
+
+
+def call_key(framework: str, device_kind: str, variant: str, q_shape, k_shape, dtype: str,
+             flags: dict[str, Any]) -> str:
+    """The key of one call of any variant: q [B, Sq, Hq, D] and k [B, Sk, Hkv, D] give the shape
+    class; `flags` are the variant's features that change which kernels and loops run."""
+    shape = shape_class(q_shape[1], k_shape[1], q_shape[3], q_shape[2], k_shape[2])
+    return cache_key(framework, device_kind, variant, shape, dtype, flags)
+
+
+def branches_flag(segment_lengths, dilation_rates) -> str:
+    """Dilated attention's branches as one flag value, "2048:2;8192:4" (no ',' or '|', the key's
+    separators): each branch runs on its own tiles, so the configuration is part of the key."""
+    return ";".join(f"{int(s)}:{int(r)}" for s, r in zip(segment_lengths, dilation_rates))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,8 +382,8 @@ def probed(fn, args, kwargs, cache=None) -> Probe:
         fn(*args, **kwargs)  # stopped at its choice: nothing runs
     if p.key is None:
         raise ValueError(f"{getattr(fn, '__name__', fn)!r} made no implementation choice that the autotuner can "
-                         f"key (it serves the functions that take implementation= and config=, e.g. "
-                         f"flash_attention)")
+                         f"key (it serves flash_attention, stick_breaking_attention and "
+                         f"dilated_attention)")
     return p
 
 
@@ -387,7 +403,11 @@ def _candidates(registry, entry, call, configs, max_configs, lengths):
         return True
 
     def canonical(c):  # tiles past the sequence run as smaller ones: the same kernel
-        return c.fitted(*lengths) if hasattr(c, "fitted") else c
+        fitted = getattr(c, "fitted", None)
+        if fitted is None:
+            return c
+        # BlockSizes.fitted(q_len, kv_len); StickBreakingBlockSizes.fitted(seq_len), keys the longer
+        return fitted(*lengths) if len(inspect.signature(fitted).parameters) == 2 else fitted(max(lengths))
     return candidate_configs(registry.check_config(entry, None, call), valid, max_configs, canonical)
 
 

@@ -57,7 +57,8 @@ def autotune(fn: Callable, *args, variant: str | None = None, implementations: S
              store: bool = True, **kwargs) -> TuneResult:
     """Time every (implementation, config) that can serve `fn(*args, **kwargs)` and cache the fastest.
 
-    fn: a public function that takes implementation= and config= (e.g. `jax_attn.flash_attention`);
+    fn: a public function that takes implementation= and config= and reads the cache
+      (`jax_attn.flash_attention`, `stick_breaking_attention`, `dilated_attention`);
       args, kwargs: one call of it (its keyword arguments other than implementation and config).
     variant: optional check: the variant `fn` chooses for (found by tracing the call; ValueError if
       it differs).

@@ -150,7 +150,8 @@ def _dilated_triton(q, k, v, spec, *, segment_lengths, dilation_rates, merge, co
 def _dilated_mosaic(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None, order=None):
     return dilated_triton.dilated_attention_triton(q, k, v, segment_lengths=segment_lengths,
                                                    dilation_rates=dilation_rates, causal=spec.causal, merge=merge,
-                                                   scale=spec.scale, precision=spec.precision, mosaic=True)
+                                                   scale=spec.scale, precision=spec.precision, mosaic=True,
+                                                   mosaic_blocks=config)
 
 
 def _dilated_xla(q, k, v, spec, *, segment_lengths, dilation_rates, merge, config=None, order=None):
@@ -200,7 +201,8 @@ _ENTRIES = (
     Entry("dilated", "triton", _dilated_triton, _triton_reason, lambda: softmax_triton.BlockSizes,
           _softmax_triton_default),
     # the branches without segment ids on the Hopper kernels, the others on the Triton kernels
-    Entry("dilated", "mosaic", _dilated_mosaic, _softmax_mosaic_reason),
+    Entry("dilated", "mosaic", _dilated_mosaic, _softmax_mosaic_reason, lambda: softmax_mosaic.MosaicBlockSizes,
+          lambda call: softmax_mosaic.default_mosaic_block_sizes(call.head_pad), _softmax_mosaic_config_reason),
     Entry("dilated", "xla", _dilated_xla, lambda call: None),
     # NSA: the selection kernels (and, for its other branches, the flash engine and chunked XLA)
     Entry("nsa", "triton", _nsa_triton, _triton_reason, lambda: nsa_triton.NSABlockSizes,

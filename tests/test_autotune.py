@@ -328,3 +328,172 @@ def test_autotune_argument_errors(tmp_path):
     with pytest.raises(ValueError, match="made no implementation choice"):
         jax_attn.autotune(lambda q, k, v: q, q, k, v, cache=tmp_path / "c.json")
     assert not (tmp_path / "c.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# stick-breaking and dilated attention: the same cache, keyed by their own flags
+# ------------------------------------------------------------------------------------------------
+SEGMENTS = dict(segment_lengths=(8, 16), dilation_rates=(1, 2))
+SHAPE = "sq32-sk32-d16-g2|float32"
+
+
+def _variant_case(framework, variant, monkeypatch):
+    """(fn, q/k/v, kwargs, expected key, a valid config no heuristic picks, the default config, the
+    configs the kernel saw): the kernel entry point is patched to record its config and stop."""
+    seen = []
+    record = lambda config: (seen.append(config), (_ for _ in ()).throw(_Seen))
+    if framework == "jax":
+        from jax_attn.ops.dilated import triton as dilated_kernels
+        from jax_attn.ops.stick_breaking import triton as sb_kernels
+        qkv, call_q = _jax_qkv(), jax_attn.registry.Call(jax_attn.AttentionSpec(scale=1.0), D, jnp.float32)
+        if variant == "stick_breaking":
+            monkeypatch.setattr(sb_kernels, "stick_breaking_pallas", lambda *a, blocks=None, **kw: record(blocks))
+            distinct = sb_kernels.StickBreakingBlockSizes(32, 32, 32, 4, 1)
+            default = jax_attn.registry.REGISTRY["stick_breaking"]["triton"].default_config(call_q)
+        else:
+            monkeypatch.setattr(dilated_kernels, "dilated_attention_triton",
+                                lambda *a, blocks=None, **kw: record(blocks))
+            distinct, default = DISTINCT, jax_attn.default_block_sizes(D, True, jnp.float32)
+    else:
+        sb_kernels = pytest.importorskip("torch_ref.ops.stick_breaking.triton")
+        dilated_kernels = pytest.importorskip("torch_ref.ops.dilated.triton")
+        qkv = _torch_qkv()
+        if variant == "stick_breaking":
+            class Fake:
+                @staticmethod
+                def apply(*args):  # (q, k, v, decay_t, decay_value, scale, rope, q_pos, kv_pos, config, ...)
+                    record(args[9])
+            monkeypatch.setattr(sb_kernels, "StickBreakingFn", Fake)
+            distinct = sb_kernels.StickBreakingBlockSizes(32, 16, 32, 16, 32)
+            default = sb_kernels.default_stick_breaking_block_sizes(D, torch.float32, False)
+        else:
+            monkeypatch.setattr(dilated_kernels, "dilated_attention_triton",
+                                lambda *a, config=None, **kw: record(config))
+            distinct, default = DISTINCT, torch_ref.default_block_sizes(D, torch.float32, False)
+    fn = getattr(jax_attn if framework == "jax" else torch_ref, f"{variant}_attention")
+    if variant == "stick_breaking":
+        kwargs = dict(attend_current=True)
+        flags = "attend_current=1,kv_positions=0,offset=0,positions=0,rope=0,segments=0"
+    else:
+        kwargs = dict(SEGMENTS, causal=True)
+        flags = "branches=8:1;16:2,causal=1,merge=lse,ordered=0"
+    assert distinct != default
+    return fn, qkv, kwargs, f"{framework}|cpu|{variant}|{SHAPE}|{flags}", distinct, default, seen
+
+
+VARIANT_CASES = [(f, v) for f in ("jax", "torch") for v in ("stick_breaking", "dilated")]
+
+
+@pytest.mark.parametrize("framework, variant", VARIANT_CASES)
+def test_variant_key_and_default_without_a_file(tmp_path, monkeypatch, framework, variant):
+    fn, qkv, kwargs, key, distinct, default, seen = _variant_case(framework, variant, monkeypatch)
+    path = tmp_path / "none.json"
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    assert _key(fn, qkv, path, **kwargs) == key
+    if variant == "dilated":  # the branches are part of the key
+        assert _key(fn, qkv, path, **{**kwargs, "dilation_rates": (1, 4)}) != key
+    else:
+        assert _key(fn, qkv, path, **{**kwargs, "attend_current": False}) != key
+    with pytest.raises(_Seen):  # no file: the default config
+        fn(*qkv, **kwargs)
+    assert seen == [default] and not path.exists()
+
+
+@pytest.mark.parametrize("framework, variant", VARIANT_CASES)
+def test_variant_config_none_reads_the_entry(tmp_path, monkeypatch, framework, variant):
+    fn, qkv, kwargs, key, distinct, default, seen = _variant_case(framework, variant, monkeypatch)
+    path = tmp_path / "c.json"
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    tuning.store(key, _entry("triton", {"triton": distinct}), path)
+    for implementation in (None, "triton"):
+        with pytest.raises(_Seen):
+            fn(*qkv, implementation=implementation, **kwargs)
+    with pytest.raises(_Seen):  # a given config is used as given
+        fn(*qkv, config=default, **kwargs)
+    other = {**kwargs, "dilation_rates": (1, 4)} if variant == "dilated" else {**kwargs, "attend_current": False}
+    with pytest.raises(_Seen):  # another key: the default
+        fn(*qkv, **other)
+    assert seen == [distinct, distinct, default, default]
+
+
+@pytest.mark.parametrize("framework, variant", VARIANT_CASES)
+def test_variant_entry_that_cannot_serve_warns(tmp_path, monkeypatch, framework, variant):
+    fn, qkv, kwargs, key, distinct, default, seen = _variant_case(framework, variant, monkeypatch)
+    path = tmp_path / "c.json"
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    wrong = BlockSizes() if variant == "stick_breaking" else _stick_breaking_config(framework)
+    records = [(_entry("triton", {"triton": wrong}), "does not fit"),
+               (_entry("cudnn", {"cudnn": None}), "unknown implementation 'cudnn'")]
+    if framework == "jax":  # the Mosaic kernels take no float32 (nor a CPU)
+        records.append((_entry("mosaic", {"mosaic": None}), "cannot serve this call"))
+    for record, match in records:
+        tuning.store(key, record, path)
+        with pytest.warns(RuntimeWarning, match=match), pytest.raises(_Seen):
+            fn(*qkv, **kwargs)
+    assert seen == [default] * len(records)
+
+
+def _stick_breaking_config(framework):
+    if framework == "jax":
+        from jax_attn.ops.stick_breaking.triton import StickBreakingBlockSizes
+    else:
+        from torch_ref.ops.stick_breaking.triton import StickBreakingBlockSizes
+    return StickBreakingBlockSizes()
+
+
+@pytest.mark.parametrize("framework, variant", VARIANT_CASES)
+def test_variant_autotune_stores_what_config_none_reads(tmp_path, monkeypatch, framework, variant):
+    fn, qkv, kwargs, key, distinct, default, seen = _variant_case(framework, variant, monkeypatch)
+    monkeypatch.undo()  # the autotuner runs the real kernels; the spy comes back below
+    path = tmp_path / "c.json"
+    tune = jax_attn.autotune if framework == "jax" else torch_ref.autotune
+    result = tune(fn, *qkv, implementations=["triton"], configs=[distinct], mode="fwd", reps=1, cache=path,
+                  **kwargs)
+    assert (result.key, result.implementation, result.config, result.path) == (key, "triton", distinct, path)
+    assert [r["error"] for r in result.rows] == [None]
+    entry = tuning.lookup(key, path)
+    assert entry["implementation"] == "triton" and entry["mode"] == "fwd"
+    assert tuning.config_from_json(entry["configs"]["triton"], type(distinct)) == distinct
+    fn, qkv, kwargs, key, distinct, default, seen = _variant_case(framework, variant, monkeypatch)
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    with pytest.raises(_Seen):
+        fn(*qkv, **kwargs)
+    assert seen == [distinct]
+
+
+def test_jax_dilated_mosaic_takes_mosaic_block_sizes(monkeypatch):
+    from jax_attn.ops.dilated import triton as dilated_kernels
+    from jax_attn.ops.softmax.mosaic import MosaicBlockSizes, default_mosaic_block_sizes
+    entry = jax_attn.registry.REGISTRY["dilated"]["mosaic"]
+    call = jax_attn.registry.Call(jax_attn.AttentionSpec(scale=1.0, causal=True), 64, jnp.bfloat16)
+    assert entry.config_type() is MosaicBlockSizes and entry.default_config(call) == default_mosaic_block_sizes(64)
+    with pytest.raises(TypeError, match="MosaicBlockSizes"):
+        jax_attn.registry.check_config(entry, DISTINCT, call)
+    seen = []
+    monkeypatch.setattr(dilated_kernels, "dilated_attention_triton", lambda *a, **kw: seen.append(kw))
+    tiles = MosaicBlockSizes(block_q=128, block_k=64, num_stages=3)
+    entry.fn(*_jax_qkv(), call.spec, merge="lse", config=tiles, **SEGMENTS)
+    assert seen[0]["mosaic"] and seen[0]["mosaic_blocks"] == tiles  # the Hopper branches' tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["stick_breaking", "dilated"])
+def test_gpu_variant_autotune_then_config_none_runs_the_tuned_choice(tmp_path, monkeypatch, variant):
+    path = tmp_path / "c.json"
+    kwargs = dict(segment_lengths=(1024, 4096), dilation_rates=(1, 4), causal=True) if variant == "dilated" else {}
+    fn = getattr(jax_attn, f"{variant}_attention")
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (1, 4096, 8, 128), jnp.bfloat16) for kk in keys)
+    result = jax_attn.autotune(fn, q, k, v, reps=3, max_configs=3, cache=path, **kwargs)
+    assert {r["implementation"] for r in result.rows} >= {"triton", "mosaic", "xla"}
+    monkeypatch.setenv(tuning.ENV_VAR, str(path))
+    out = fn(q, k, v, **kwargs)
+    expected = fn(q, k, v, implementation=result.implementation, config=result.config, **kwargs)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+    tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).cuda().to(torch.bfloat16) for x in (q, k, v))
+    tfn = getattr(torch_ref, f"{variant}_attention")
+    result = torch_ref.autotune(tfn, tq, tk, tv, reps=3, max_configs=3, cache=path, **kwargs)
+    assert result.key.startswith("torch|") and tuning.lookup(result.key, path)["implementation"] in ("triton", "eager")
+    torch.testing.assert_close(tfn(tq, tk, tv, **kwargs),
+                               tfn(tq, tk, tv, implementation=result.implementation, config=result.config,
+                                   **kwargs), rtol=0, atol=0)

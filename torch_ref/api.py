@@ -47,10 +47,11 @@ def device_kind(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def softmax_cache_key(q_shape, k_shape, device, dtype, flags) -> str:
-    """The autotune cache key of a softmax call (`attn_spec.autotune`)."""
-    shape = tuning.shape_class(q_shape[1], k_shape[1], q_shape[3], q_shape[2], k_shape[2])
-    return tuning.cache_key("torch", device_kind(device), "softmax", shape, str(dtype).removeprefix("torch."), flags)
+def autotune_key(variant, q, k, flags) -> str:
+    """The autotune cache key of a call of `variant` (`attn_spec.autotune.call_key`): device kind,
+    shape class, dtype and the variant's features that change which kernels run (`flags`)."""
+    return tuning.call_key("torch", device_kind(q.device), variant, q.shape, k.shape,
+                           str(q.dtype).removeprefix("torch."), flags)
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, window=None, softcap=None,
@@ -121,7 +122,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
         "triton" raises NotImplementedError when it cannot serve the call (float64, or a CPU tensor
         without the interpreter). There is no silent fallback (`torch_ref.registry`).
       config: for "triton", a `torch_ref.BlockSizes` (the fields of jax_attn's); "eager" takes
-        none. None: the default for the call (`default_block_sizes`). TypeError for another type.
+        none. None: the autotune cache's entry for the call if there is one (`torch_ref.autotune`),
+        else the default for the call (`default_block_sizes`). TypeError for another type.
 
     Precision: softmax statistics in float32. On the GPU, float32 inputs use IEEE fp32 dots unless
     torch.backends.cuda.matmul.allow_tf32 is True, then TF32.
@@ -150,7 +152,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
                  alibi=alibi is not None, dropout=bool(dropout_rate), ordered=order is not None,
                  offset=q_offset != kv_offset)
     entry, config = tuning.select(registry.REGISTRY, "softmax", implementation, config, call,
-                                  lambda: softmax_cache_key(q.shape, k.shape, q.device, q.dtype, flags))
+                                  lambda: autotune_key("softmax", q, k, flags))
     dropout = validate_dropout(dropout_rate, dropout_seed, generator)  # last: a drawn seed advances the generator
     extra = {} if order is None else {"order": order}
     out, lse = entry.fn(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
@@ -216,7 +218,8 @@ def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, attend_current=F
         "triton" raises NotImplementedError when it cannot serve the call (float64, CPU tensor
         without the interpreter); anything else raises (ValueError and NotImplementedError).
       config: for "triton", a `torch_ref.StickBreakingBlockSizes`; "eager" takes none. None: the
-        default for the call (`default_stick_breaking_block_sizes`). TypeError for another type.
+        autotune cache's entry for the call if there is one, else the default for the call
+        (`default_stick_breaking_block_sizes`). TypeError for another type.
 
     A row that sees no key (row 0 without attend_current): out 0, rem 1, zero gradients.
     Log-space math in float32; on the GPU float32 inputs use IEEE fp32 dots unless
@@ -227,8 +230,11 @@ def stick_breaking_attention(q, k, v, *, scale=None, decay=0.0, attend_current=F
     scale, decay, q_pos, kv_pos, q_ids, kv_ids = validate_stick_breaking(q, k, v, scale, decay, rope, positions,
                                                                           attend_current, segment_ids)
     call = registry.Call.of(q)
-    entry = registry.resolve("stick_breaking", implementation, call)
-    config = registry.check_config(entry, config, call)
+    flags = dict(attend_current=bool(attend_current), segments=q_ids is not None, rope=rope is not None,
+                 positions=positions is not None, kv_positions=isinstance(positions, (tuple, list)),
+                 offset=q.shape[1] != k.shape[1])
+    entry, config = tuning.select(registry.REGISTRY, "stick_breaking", implementation, config, call,
+                                  lambda: autotune_key("stick_breaking", q, k, flags))
     out, rem = entry.fn(q, k, v, scale=scale, decay=decay, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
                         attend_current=attend_current, q_ids=q_ids, kv_ids=kv_ids, config=config)
     return (out, rem) if return_remainder else out
@@ -283,14 +289,17 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal=False,
         free reshape when S is a multiple of the segment and the segment of the rate) and merges
         the compact results; "eager" is the plain reference (torch_ref.ops.dilated.reference).
       config: for "triton", a `torch_ref.BlockSizes` (the softmax kernels' tiles); "eager" takes none.
+        None: the autotune cache's entry for the call if there is one, else the default.
 
     Returns: out `[B, S, Hq, D]`, or (out, lse) when return_lse.
     """
     scale, lengths, rates = validate_dilated(q, k, v, causal, scale, segment_lengths, dilation_rates, merge)
     order = orderings.resolve(ordering, grid, q.shape[1], q.device)
     call = registry.Call.of(q)
-    entry = registry.resolve("dilated", implementation, call)
-    config = registry.check_config(entry, config, call)
+    flags = dict(causal=bool(causal), merge=merge, ordered=order is not None,
+                 branches=tuning.branches_flag(lengths, rates))
+    entry, config = tuning.select(registry.REGISTRY, "dilated", implementation, config, call,
+                                  lambda: autotune_key("dilated", q, k, flags))
     extra = {} if order is None else {"order": order}
     out, lse = entry.fn(q, k, v, segment_lengths=lengths, dilation_rates=rates, causal=causal, merge=merge,
                         scale=scale, config=config, **extra)

@@ -62,8 +62,8 @@ def time_call(f: Callable, args: Sequence[torch.Tensor], *, mode: str = "fwd", w
 def autotune(fn: Callable, *args, variant: str | None = None, implementations: Sequence[str] | None = None,
              configs=None, mode: str = "fwd+bwd", warmup: int = 1, reps: int = 5, max_configs: int = 8, cache=None,
              store: bool = True, **kwargs) -> TuneResult:
-    """Time every (implementation, config) that can serve `fn(*args, **kwargs)` (e.g.
-    `torch_ref.flash_attention`) and store the fastest in the cache; the arguments are those of
+    """Time every (implementation, config) that can serve `fn(*args, **kwargs)` (`torch_ref.flash_attention`,
+    `stick_breaking_attention`, `dilated_attention`) and store the fastest in the cache; the arguments are those of
     `jax_attn.autotune`. A candidate that fails to compile or run is recorded with its error."""
     return tuning.tune(fn, args, kwargs, time_call, {"torch": torch.__version__}, variant=variant,
                        implementations=implementations, configs=configs, mode=mode, warmup=warmup, reps=reps,

@@ -15,16 +15,18 @@ from jax_attn.ops.common.rope import Rope
 from jax_attn.ops.common.spec import AttentionSpec
 
 
-def softmax_cache_key(q_shape, k_shape, call: registry.Call) -> str:
-    """The autotune cache key of a softmax call (`attn_spec.autotune`): device kind, shape class,
-    dtype and the spec's features that change which kernels run."""
+def autotune_key(variant: str, q_shape, k_shape, dtype, flags: dict) -> str:
+    """The autotune cache key of a call of `variant` (`attn_spec.autotune.call_key`): device kind,
+    shape class, dtype and the variant's features that change which kernels run (`flags`)."""
+    return tuning.call_key("jax", device_info().name, variant, q_shape, k_shape, jnp.dtype(dtype).name, flags)
+
+
+def _softmax_flags(call: registry.Call) -> dict:
     spec = call.spec
-    flags = dict(causal=spec.causal, window=spec.window_left is not None or spec.window_right is not None,
-                 softcap=spec.softcap is not None, segments=spec.has_segments, rope=spec.rope is not None,
-                 positions=call.positions, alibi=spec.alibi, dropout=spec.dropout > 0, ordered=spec.ordered,
-                 offset=spec.offset != 0)
-    shape = tuning.shape_class(q_shape[1], k_shape[1], q_shape[3], q_shape[2], k_shape[2])
-    return tuning.cache_key("jax", device_info().name, "softmax", shape, jnp.dtype(call.dtype).name, flags)
+    return dict(causal=spec.causal, window=spec.window_left is not None or spec.window_right is not None,
+                softcap=spec.softcap is not None, segments=spec.has_segments, rope=spec.rope is not None,
+                positions=call.positions, alibi=spec.alibi, dropout=spec.dropout > 0, ordered=spec.ordered,
+                offset=spec.offset != 0)
 
 
 def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
@@ -98,7 +100,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         why; an unknown name raises UnknownImplementationError (ValueError, NotImplementedError).
       config: the tile config of the chosen implementation: a `BlockSizes` for "triton", a
         `MosaicBlockSizes` for "mosaic" (with RoPE: block_q = block_q_bwd = block_k_bwd = 64);
-        "xla" takes none. None: its default for the call (`registry.REGISTRY[...].default_config`).
+        "xla" takes none. None: the autotune cache's entry for the call if there is one
+        (`jax_attn.autotune`), else its default (`registry.REGISTRY[...].default_config`).
         TypeError for another type, ValueError for a config that cannot serve the call.
 
     Float32 inputs use the matmul precision JAX is configured with
@@ -142,7 +145,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         alibi=slopes is not None, dropout=rate, ordered=order is not None)
     call = registry.Call(spec, head_dim, q.dtype, positions=q_pos is not None)
     entry, config = tuning.select(registry.REGISTRY, "softmax", implementation, config, call,
-                                  lambda: softmax_cache_key(q.shape, k.shape, call))
+                                  lambda: autotune_key("softmax", q.shape, k.shape, q.dtype, _softmax_flags(call)))
     extra = {} if order is None else {"order": order}
     out, lse = entry.fn(q, k, v, q_ids, kv_ids, spec, q_pos=q_pos, kv_pos=kv_pos, slopes=slopes, seed=seed,
                         config=config, **extra)
@@ -188,8 +191,9 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
         walks every tile, while the Triton forward ends a row block's walk where its sticks are
         spent (docs/design/stick_breaking.md).
       config: a `StickBreakingBlockSizes` for "triton" and "mosaic" (for "mosaic" the backward's
-        tiles, with block_k = 64); "xla" takes none. None: the implementation's default for the
-        call. TypeError for another type, ValueError for a config that cannot serve the call.
+        tiles, with block_k = 64); "xla" takes none. None: the autotune cache's entry for the
+        call if there is one, else the implementation's default for the call. TypeError for
+        another type, ValueError for a config that cannot serve the call.
 
     A row with no visible key returns 0 (rem 1) and zero gradients, never NaN.
 
@@ -216,8 +220,10 @@ def stick_breaking_attention(q, k, v, *, scale: float | None = None, decay=0.0, 
                          has_segments=q_ids is not None, precision=validation.fp32_precision(q.dtype), rope=rope,
                          offset=offset)
     call = registry.Call(spec, head_dim, q.dtype, positions=pos is not None, kv_positions=kv_pos is not None)
-    entry = registry.resolve("stick_breaking", implementation, call)
-    config = registry.check_config(entry, config, call)
+    flags = dict(attend_current=attend_current, segments=q_ids is not None, rope=rope is not None,
+                 positions=pos is not None, kv_positions=kv_pos is not None, offset=offset != 0)
+    entry, config = tuning.select(registry.REGISTRY, "stick_breaking", implementation, config, call,
+                                  lambda: autotune_key("stick_breaking", q.shape, k.shape, q.dtype, flags))
     out, rem = entry.fn(q, k, v, decay, spec, pos=pos, kv_pos=kv_pos, q_ids=q_ids, kv_ids=kv_ids,
                         attend_current=attend_current, config=config)
     return (out, rem) if return_remainder else out
@@ -259,7 +265,10 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
         128; a branch that needs segment ids, i.e. padding without causality, runs on the
         Triton kernels) or "xla" (plain jnp: gather, dense attention per segment, merge). Errors
         as for `flash_attention`.
-      config: a `BlockSizes` for "triton" (each branch's tiles); None: its default.
+      config: a `BlockSizes` for "triton" (each branch's tiles), a `MosaicBlockSizes` for "mosaic"
+        (the tiles of the branches on the Hopper kernels; the others take the Triton default);
+        "xla" takes none. None: the autotune cache's entry for the call if there is one, else the
+        implementation's default.
 
     Returns: out [B, S, H, D] in q.dtype, or (out, lse).
     """
@@ -274,8 +283,10 @@ def dilated_attention(q, k, v, *, segment_lengths, dilation_rates, causal: bool 
     spec = AttentionSpec(scale=head_dim ** -0.5 if scale is None else scale, causal=bool(causal),
                          precision=validation.fp32_precision(q.dtype), ordered=order is not None)
     call = registry.Call(spec, head_dim, q.dtype)
-    entry = registry.resolve("dilated", implementation, call)
-    config = registry.check_config(entry, config, call)
+    flags = dict(causal=bool(causal), merge=merge, ordered=order is not None,
+                 branches=tuning.branches_flag(lengths, rates))
+    entry, config = tuning.select(registry.REGISTRY, "dilated", implementation, config, call,
+                                  lambda: autotune_key("dilated", q.shape, k.shape, q.dtype, flags))
     extra = {} if order is None else {"order": order}
     out, lse = entry.fn(q, k, v, spec, segment_lengths=lengths, dilation_rates=rates, merge=merge, config=config,
                         **extra)

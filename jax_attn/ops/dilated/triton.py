@@ -48,6 +48,7 @@ class _Static:
     interpret: bool | None
     mosaic: bool  # the Hopper kernels for the branches they serve (no segment ids)
     ordered: bool = False  # segments cut from an ordered sequence (the order is an argument)
+    mosaic_blocks: mosaic.MosaicBlockSizes | None = None  # the Mosaic branches' tiles (None: their default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +136,8 @@ def _plans(st: _Static, q, k) -> tuple[_Plan, ...]:
         spec = AttentionSpec(scale=st.scale, causal=st.causal, has_segments=br.padded and not st.causal,
                              precision=st.precision, ordered=st.ordered)
         use_mosaic = st.mosaic and not st.ordered and mosaic.unsupported_reason(spec, head_dim, q.dtype) is None
-        blocks = mosaic.default_mosaic_block_sizes(padded_head_dim(spec, head_dim)) if use_mosaic else None
+        blocks = (st.mosaic_blocks or mosaic.default_mosaic_block_sizes(padded_head_dim(spec, head_dim))
+                  if use_mosaic else None)
         out.append(_Plan(br, rows, spec, blocks))
     return tuple(out)
 
@@ -230,15 +232,17 @@ _dilated.defvjp(_dilated_fwd, _dilated_bwd)
 
 def dilated_attention_triton(q, k, v, *, segment_lengths, dilation_rates, causal: bool, merge: str,
                              scale: float, precision=jax.lax.Precision.DEFAULT, blocks: BlockSizes | None = None,
-                             interpret: bool | None = None, mosaic: bool = False, order=None):
+                             interpret: bool | None = None, mosaic: bool = False, order=None,
+                             mosaic_blocks=None):
     """q [B, S, H, D], k/v [B, S, Hkv, D] (validated) -> (out [B, S, H, D], lse [B, H, S]).
     mosaic: the branches the Hopper kernels serve (those without segment ids: no padding, or
-    causal) run on them, the others on the Triton kernels. order: int [S], an ordering pi whose
+    causal) run on them with `mosaic_blocks` (None: their default), the others on the Triton
+    kernels with `blocks`. order: int [S], an ordering pi whose
     ordered sequence the segments are cut from (gathered in the kernels; Triton kernels only)."""
     if order is not None and mosaic:
         raise NotImplementedError("orderings gather rows in the Triton kernels; the Mosaic GPU kernels load "
                                   "contiguous TMA boxes")
     st = _Static(tuple(segment_lengths), tuple(dilation_rates), causal, merge, float(scale), precision, blocks,
-                 interpret, mosaic, ordered=order is not None)
+                 interpret, mosaic, ordered=order is not None, mosaic_blocks=mosaic_blocks)
     perm = jnp.zeros((0,), jnp.int32) if order is None else jnp.asarray(order).astype(jnp.int32)
     return _dilated(st, q, k, v, perm)
