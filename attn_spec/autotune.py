@@ -26,7 +26,6 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime
-import inspect
 import json
 import os
 import tempfile
@@ -403,11 +402,7 @@ def _candidates(registry, entry, call, configs, max_configs, lengths):
         return True
 
     def canonical(c):  # tiles past the sequence run as smaller ones: the same kernel
-        fitted = getattr(c, "fitted", None)
-        if fitted is None:
-            return c
-        # BlockSizes.fitted(q_len, kv_len); StickBreakingBlockSizes.fitted(seq_len), keys the longer
-        return fitted(*lengths) if len(inspect.signature(fitted).parameters) == 2 else fitted(max(lengths))
+        return c.fitted(*lengths) if hasattr(c, "fitted") else c
     return candidate_configs(registry.check_config(entry, None, call), valid, max_configs, canonical)
 
 

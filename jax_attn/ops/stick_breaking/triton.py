@@ -58,8 +58,10 @@ class StickBreakingBlockSizes:
     def __post_init__(self):
         check_launch_fields(self)
 
-    def fitted(self, seq_len: int) -> "StickBreakingBlockSizes":
-        cap = pow2_at_least(seq_len)
+    def fitted(self, q_len: int, kv_len: int) -> "StickBreakingBlockSizes":
+        """The tiles capped at the key length's power of two (the kernels pad both axes to one tile
+        multiple; `BlockSizes.fitted`'s signature, so the autotuner treats both alike)."""
+        cap = pow2_at_least(kv_len)
         return dataclasses.replace(self, block_q=min(self.block_q, cap), block_k=min(self.block_k, cap),
                                    block_q_dkv=min(self.block_q_dkv, cap))
 
@@ -892,7 +894,7 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None, kv_p
                              f"blocks.block_k must be {stick_breaking_mosaic.BLOCK}, got {blocks.block_k}")
         tile = max(blocks.block_q, blocks.block_q_dkv, 2 * stick_breaking_mosaic.BLOCK)
     else:
-        blocks = blocks.fitted(kv_len)
+        blocks = blocks.fitted(seq_len, kv_len)
         tile = max(blocks.block_q, blocks.block_k, blocks.block_q_dkv)
     seq_pad = pl.cdiv(seq_len, tile) * tile
     kv_pad = pl.cdiv(kv_len, tile) * tile
