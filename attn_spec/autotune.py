@@ -36,9 +36,9 @@ from typing import Any, Callable, Iterable
 FORMAT_VERSION = 1
 ENV_VAR = "JAX_ATTN_CACHE"
 
-__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "branches_flag", "cache_key",
-           "call_key", "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup",
-           "probe", "record_of", "select", "shape_class", "store", "using_path"]
+__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "backend_rows", "branches_flag",
+           "cache_key", "call_key", "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup",
+           "probe", "record_of", "select", "shape_class", "store", "time_row", "using_path"]
 
 
 class CacheError(ValueError):
@@ -407,6 +407,41 @@ def _candidates(registry, entry, call, configs, max_configs, lengths):
 
 
 _store = store  # `tune`'s argument `store` (a bool) shadows it there
+
+
+def time_row(row: dict, f: Callable, args, time_call: Callable, mode: str, warmup: int, reps: int) -> dict:
+    """Fill a `benchmark_backends` row with `f(*args)`'s times (`time_call` as in `tune`); a call
+    that fails leaves the times None and says why in row["reason"] (reported, not hidden)."""
+    try:
+        row["ms_fwd"] = time_call(f, args, mode="fwd", warmup=warmup, reps=reps)
+        if mode == "fwd+bwd":
+            row["ms_fwd_bwd"] = time_call(f, args, mode="fwd+bwd", warmup=warmup, reps=reps)
+    except Exception as e:  # noqa: BLE001 - the table says the row did not run and why
+        row["reason"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def backend_rows(fn: Callable, args, kwargs: dict, time_call: Callable, mode: str, warmup: int, reps: int):
+    """The rows of `benchmark_backends` (either framework) for our own implementations: every
+    implementation of the variant `fn(*args, **kwargs)` chooses for, with the config that
+    implementation=<name>, config=None gives it (cached or heuristic), timed, or with the reason it
+    cannot serve. -> (variant, kwargs without return_lse, rows); the caller adds its anchors."""
+    check_timing(mode, warmup, reps)
+    if "implementation" in kwargs or "config" in kwargs:
+        raise TypeError("benchmark_backends times every implementation; pass neither implementation nor config")
+    kwargs = {k: v for k, v in kwargs.items() if k != "return_lse"}  # the output alone is timed
+    p = probed(fn, args, kwargs)
+    rows = []
+    for name, entry in p.registry[p.variant].items():
+        row = {"implementation": name, "config": None, "ms_fwd": None, "ms_fwd_bwd": None, "reason": None}
+        if reason := entry.unsupported_reason(p.call):
+            row["reason"] = reason
+            rows.append(row)
+            continue
+        _, row["config"] = select(p.registry, p.variant, name, None, p.call, lambda: p.key)
+        call = lambda *a, _n=name, _c=row["config"]: fn(*a, implementation=_n, config=_c, **kwargs)  # noqa: E731
+        rows.append(time_row(row, call, args, time_call, mode, warmup, reps))
+    return p.variant, kwargs, rows
 
 
 def tune(fn: Callable, args, kwargs: dict, time_call: Callable, versions: dict[str, str], *, variant=None,

@@ -89,6 +89,16 @@ def _block_lists(B, S, Hkv, n, block, gen):
     return torch.sort(idx, dim=-1).values.to(torch.int32)
 
 
+def _fla_runs(fn):
+    """(fn, None) if one call of fla's `fn` runs here, else (None, why)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - fla refusing a shape is a result, reported as absent
+        return None, f"fla refused the call: {type(e).__name__}: {str(e)[:200]}"
+    return fn, None
+
+
 def _fla_selection(q, k, v, idx, n, block):
     try:
         from fla.ops.nsa import parallel_nsa
@@ -103,13 +113,7 @@ def _fla_selection(q, k, v, idx, n, block):
         kw.update(g_slc=g, g_swa=torch.zeros_like(g))
     if "window_size" in params:
         kw["window_size"] = 0
-    fn = lambda: parallel_nsa(q, k, v, **kw)  # noqa: E731
-    try:
-        fn()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
-        return None, f"fla refused the call: {type(e).__name__}: {str(e)[:200]}"
-    return fn, None
+    return _fla_runs(lambda: parallel_nsa(q, k, v, **kw))
 
 
 def _fla_nsa(q, k, v, gates, n, block, cblock, cstride, window):
@@ -137,13 +141,8 @@ def _fla_nsa(q, k, v, gates, n, block, cblock, cstride, window):
     g_cmp, g_slc, g_swa = (gates[..., i].detach().contiguous().requires_grad_() for i in range(3))
     kw = dict(g_cmp=g_cmp, g_slc=g_slc, g_swa=g_swa if window > 0 else None, block_indices=None, block_counts=n,
               block_size=block, window_size=window)
-    fn = lambda: parallel_nsa(q, k, v, **kw)  # noqa: E731
-    try:
-        fn()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
-        return None, f"fla refused the call: {type(e).__name__}: {str(e)[:200]}"
-    return (fn, (g_cmp, g_slc) + ((g_swa,) if window > 0 else ())), None
+    fn, reason = _fla_runs(lambda: parallel_nsa(q, k, v, **kw))
+    return (None if fn is None else (fn, (g_cmp, g_slc) + ((g_swa,) if window > 0 else ()))), reason
 
 
 class Recorder:

@@ -98,17 +98,7 @@ def _jax_nn_row(name, q, k, v, kwargs, mode, warmup, reps):
     def f(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, scale=kwargs.get("scale"), is_causal=bool(kwargs.get("causal")),
                                             implementation=impl)
-    return _time_row(row, f, (q, k, v), mode, warmup, reps)
-
-
-def _time_row(row, f, args, mode, warmup, reps):
-    try:
-        row["ms_fwd"] = time_call(f, args, mode="fwd", warmup=warmup, reps=reps)
-        if mode == "fwd+bwd":
-            row["ms_fwd_bwd"] = time_call(f, args, mode="fwd+bwd", warmup=warmup, reps=reps)
-    except Exception as e:  # reported in the table, not hidden: the row says it did not run and why
-        row["reason"] = f"{type(e).__name__}: {e}"
-    return row
+    return tuning.time_row(row, f, (q, k, v), time_call, mode, warmup, reps)
 
 
 def benchmark_backends(q, k, v, *, fn: Callable | None = None, mode: str = "fwd+bwd", warmup: int = 1,
@@ -118,25 +108,10 @@ def benchmark_backends(q, k, v, *, fn: Callable | None = None, mode: str = "fwd+
     cached or heuristic), then "jax.nn:cudnn" and "jax.nn:xla" (`jax.nn.dot_product_attention`;
     they take causal and scale only). Row: {"implementation", "config", "ms_fwd", "ms_fwd_bwd"
     (None for mode="fwd"), "reason"}; a row that cannot serve the call has no times and says why."""
-    tuning.check_timing(mode, warmup, reps)
-    if "implementation" in kwargs or "config" in kwargs:
-        raise TypeError("benchmark_backends times every implementation; pass neither implementation nor config")
     if fn is None:
         from jax_attn.api import flash_attention as fn
-    kwargs.pop("return_lse", None)
-    p = tuning.probed(fn, (q, k, v), kwargs)
-    rows = []
-    for name, entry in p.registry[p.variant].items():
-        row = {"implementation": name, "config": None, "ms_fwd": None, "ms_fwd_bwd": None, "reason": None}
-        if reason := entry.unsupported_reason(p.call):
-            row["reason"] = reason
-            rows.append(row)
-            continue
-        _, row["config"] = tuning.select(p.registry, p.variant, name, None, p.call, lambda: p.key)
-        rows.append(_time_row(row, lambda *a, _n=name, _c=row["config"]: fn(*a, implementation=_n, config=_c,
-                                                                           **kwargs),
-                              (q, k, v), mode, warmup, reps))
-    if p.variant == "softmax":
+    variant, kwargs, rows = tuning.backend_rows(fn, (q, k, v), kwargs, time_call, mode, warmup, reps)
+    if variant == "softmax":
         for name in ("jax.nn:cudnn", "jax.nn:xla"):
             rows.append(_jax_nn_row(name, q, k, v, kwargs, mode, warmup, reps))
     return rows

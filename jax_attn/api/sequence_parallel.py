@@ -178,10 +178,7 @@ def context_parallel_attention(q, k, v, *, mesh, axis, strategy: str | None = No
     Returns out [B, S, Hq, D] (sharded over `axis` on S), or (out, lse [B, Hq, S]).
     """
     validation.check_arrays(q, k, v)
-    if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if axis not in mesh.axis_names:
-        raise ValueError(f"axis={axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)})")
+    validation.check_mesh(mesh, axis)
     batch, seq_len, num_heads, head_dim = q.shape
     if k.shape[1] != seq_len:
         raise ValueError(f"sequence-parallel attention is self-attention: q and k need the same length, got "
@@ -341,10 +338,7 @@ def context_parallel_dilated_attention(q, k, v, *, mesh, axis, segment_lengths, 
     Returns out [B, S, H, D] (sharded over `axis` on S), or (out, lse [B, H, S]).
     """
     validation.check_arrays(q, k, v)
-    if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if axis not in mesh.axis_names:
-        raise ValueError(f"axis={axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)})")
+    validation.check_mesh(mesh, axis)
     seq_len, num_shards = q.shape[1], int(mesh.shape[axis])
     if k.shape[1] != seq_len:
         raise ValueError(f"dilated attention is self-attention: q and k need the same length, got "

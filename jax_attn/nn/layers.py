@@ -51,6 +51,7 @@ from attn_spec.nsa import CompressParams
 from jax_attn.api import (context_parallel_dilated_attention, dilated_attention, flash_attention, nsa_attention,
                           stick_breaking_attention)
 from jax_attn.nn.positions import sinusoidal_at, sinusoidal_positions
+from jax_attn.ops.common import validation
 from jax_attn.ops.common.rope import Rope, apply_rope
 
 NO_DETERMINISTIC = ("No `deterministic` argument was provided to {name} as either a __call__ argument or "
@@ -290,15 +291,12 @@ def _check_mesh(mesh, axis, merge, config):
         if axis is not None:
             raise ValueError(f"axis={axis!r} is given without a mesh (pass mesh=jax.sharding.Mesh(...))")
         return None, None
-    if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if axis is None:
-        if len(mesh.axis_names) != 1:
-            raise ValueError(f"axis=None needs a mesh of one axis; this mesh has axes {tuple(mesh.axis_names)}: "
-                             f"name the sequence axis")
+    if axis is None and len(getattr(mesh, "axis_names", ())) == 1:
         axis = mesh.axis_names[0]
-    if axis not in mesh.axis_names:
-        raise ValueError(f"axis={axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)})")
+    elif axis is None and hasattr(mesh, "axis_names"):
+        raise ValueError(f"axis=None needs a mesh of one axis; this mesh has axes {tuple(mesh.axis_names)}: "
+                         f"name the sequence axis")
+    validation.check_mesh(mesh, axis)
     if merge != "lse":
         raise ValueError(f"the sequence-parallel dilated attention merges the branches by lse: merge must be "
                          f"'lse' with a mesh, got merge={merge!r}")

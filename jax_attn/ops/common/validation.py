@@ -201,3 +201,11 @@ def check_int_array(name, x, shape=None):
 def check_float_array(name, x, shape=None):
     """A floating array (of the given shape, where given)."""
     return _check_typed_array(name, x, shape, "a float", jnp.floating)
+
+
+def check_mesh(mesh, axis) -> None:
+    """A `jax.sharding.Mesh` and the name of one of its axes (the sequence axis)."""
+    if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)})")
