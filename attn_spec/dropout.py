@@ -3,19 +3,20 @@ frameworks evaluates alike, so that a seed gives the same mask in the kernels, i
 references and in either framework, and the backward regenerates it instead of storing it.
 
 Element (b, h, i, j) (batch, query head, query row, key row) of a call with seed words (s0, s1)
-is kept when `bits >> 1 >= threshold(rate)`, with all arithmetic on uint32, wrapping:
+is kept when `bits >= threshold(rate)`, with all arithmetic on uint32, wrapping:
 
     stream = mix(s0 ^ mix(s1 ^ (b * H + h)))     one per (batch, head)
-    row_i  = mix(stream ^ i)                     one per query row
-    col_j  = mix(j + GOLDEN)                     one per key row
-    x      = row_i ^ col_j
-    bits   = (x ^ (x >> 16)) * MIX1              one per element
+    row_i  = mix(stream ^ i) | 1                 one per query row
+    col_j  = mix(j + GOLDEN) | 1                 one per key row
+    bits   = row_i * col_j                       one per element
 
-`mix` is MurmurHash3's 32-bit finaliser (a bijection with full avalanche): the row and column
-hashes are full-strength, so an element needs only one xorshift-multiply round (`scramble`) to
-decorrelate the pairs (i, j), (i', j), (i, j'), (i', j') that a bare XOR would tie together; the
-element count is what dropout costs in the kernels (drop fractions, neighbour and 2x2 correlations
-measured on 2048 x 2048 masks match independent draws). Kept elements are scaled by 1 / (1 - rate).
+`mix` is MurmurHash3's 32-bit finaliser (a bijection with full avalanche), so the row and column
+hashes are full-strength and an element costs one integer multiply and one compare, which is what
+dropout costs in the kernels (three times per element: forward, dK/dV and dQ). Both factors are odd,
+so a row's bits are a bijection of its columns' hashes and a column's of its rows': no row or column
+can collapse to zero. A sum or XOR of the two hashes would tie the four elements (i, j), (i', j),
+(i, j'), (i', j') together linearly; the product's high bits do not (drop fractions, neighbour and
+2x2 statistics match independent draws: `tests/test_dropout.py`). Kept elements are scaled by 1 / (1 - rate).
 A seed is two uint32 words: JAX takes them from a PRNG key (`jax.random.key_data` of a threefry
 key), torch from an int s in [0, 2^64) (`seed_words`: (s >> 32, s & 0xffffffff), threefry's layout).
 So torch's `dropout_seed=s` and `jax.random.wrap_key_data(jnp.array(seed_words(s), jnp.uint32))`
@@ -35,8 +36,8 @@ MIX1, MIX2, GOLDEN = 0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9
 
 
 def threshold(rate: float) -> int:
-    """The int31 threshold: an element is dropped when its 31 random bits fall below it."""
-    return int(round(rate * 2 ** 31))
+    """The uint32 threshold: an element is dropped when its 32 random bits fall below it."""
+    return min(int(round(rate * 2 ** 32)), 2 ** 32 - 1)
 
 
 def seed_words(seed: int) -> tuple[int, int]:
@@ -60,27 +61,21 @@ def stream(s0, s1, b, h, num_heads: int, ops):
 
 
 def row_bits(stream_, rows, ops):
-    return mix(stream_ ^ ops.u32(rows), ops)
+    return mix(stream_ ^ ops.u32(rows), ops) | ops.u32(1)
 
 
 def col_bits(cols, ops):
-    return mix(ops.u32(cols) + ops.u32(GOLDEN), ops)
-
-
-def scramble(x, ops):
-    """One xorshift-multiply round: the element's bits from its row and column hashes' XOR."""
-    return (x ^ ops.shr(x, 16)) * ops.u32(MIX1)
+    return mix(ops.u32(cols) + ops.u32(GOLDEN), ops) | ops.u32(1)
 
 
 def keep(row, col, rate: float, ops):
     """row_bits and col_bits broadcast against each other -> bool, True where kept."""
-    bits = scramble(row ^ col, ops)
-    return ops.i32(ops.shr(bits, 1)) >= threshold(rate)
+    return ops.ge(row * col, threshold(rate))
 
 
 NUMPY_OPS = types.SimpleNamespace(
-    u32=lambda x: np.asarray(x).astype(np.uint32), i32=lambda x: np.asarray(x).astype(np.int32),
-    shr=lambda x, n: x >> np.uint32(n))
+    u32=lambda x: np.asarray(x).astype(np.uint32), shr=lambda x, n: x >> np.uint32(n),
+    ge=lambda x, t: x >= np.uint32(t))
 
 
 def keep_mask(seed: tuple[int, int], batch: int, num_heads: int, q_len: int, kv_len: int, rate: float) -> np.ndarray:

@@ -87,6 +87,25 @@ def test_masks_identical(seed, rate):
         np.testing.assert_array_equal(triton_mask(seed, *shape, rate), expected)
 
 
+@pytest.mark.parametrize("seed", SEEDS[:3], ids=hex)
+def test_tables(seed):
+    """The kernels' tables (torch: one Triton launch; JAX: jnp) hold NumPy's row and column bits."""
+    words = plan.seed_words(seed)
+    batch, heads, q_len, kv_len = 2, 3, 1100, 37  # q_len past one table block
+    ops = plan.NUMPY_OPS
+    with np.errstate(over="ignore"):
+        b, h = np.meshgrid(np.arange(batch), np.arange(heads), indexing="ij")
+        stream = plan.stream(ops.u32(words[0]), ops.u32(words[1]), b, h, heads, ops)[..., None]
+        rows = plan.row_bits(stream, np.arange(q_len), ops)
+        cols = plan.col_bits(np.arange(kv_len), ops)
+    t_rows, t_cols = triton_dropout.tables(words, batch * heads, q_len, kv_len, DEVICE)
+    np.testing.assert_array_equal(t_rows.cpu().numpy().view(np.uint32).reshape(rows.shape), rows)
+    np.testing.assert_array_equal(t_cols.cpu().numpy().view(np.uint32), cols)
+    j_rows, j_cols = jax_dropout.tables(jnp.asarray(words, jnp.uint32), batch, heads, q_len, kv_len)
+    np.testing.assert_array_equal(np.asarray(j_rows), rows)
+    np.testing.assert_array_equal(np.asarray(j_cols), cols)
+
+
 def test_seed_words_of_keys():
     """torch's seed s is the JAX key of the words (s >> 32, s & 0xffffffff): `jax.random.key(s)` for
     s < 2^32, under x64 for s < 2^63; `wrap_key_data` for any s."""
@@ -160,11 +179,22 @@ def test_drop_fraction_and_independence(rate):
     for a, b in ((keep[:, :, 1:], keep[:, :, :-1]), (keep[..., 1:], keep[..., :-1]), (keep[:, 1:], keep[:, :-1]),
                  (keep[1:], keep[:-1]), (keep, other_seed)):
         assert within((a == b).mean(), agree, a.size), (a == b).mean()
+    # 2x2: rows i, i + di and columns j, j + dj, the pattern a sum or XOR of row and column hashes
+    # would tie together; the four are independent draws when the parity of their drops is
+    # 1/2 (1 - (1 - 2 rate)^4) and all four drop with probability rate^4
+    drop = ~keep
+    for di, dj in ((1, 1), (1, 7), (5, 64)):
+        corners = (drop[..., di:, dj:], drop[..., :-di, dj:], drop[..., di:, :-dj], drop[..., :-di, :-dj])
+        parity = corners[0] ^ corners[1] ^ corners[2] ^ corners[3]
+        assert within(parity.mean(), (1 - (1 - 2 * rate) ** 4) / 2, parity.size), (di, dj, parity.mean())
+        all_four = corners[0] & corners[1] & corners[2] & corners[3]
+        assert within(all_four.mean(), rate ** 4, all_four.size), (di, dj, all_four.mean())
 
 
 def test_threshold():
-    assert plan.threshold(0.0) == 0 and plan.threshold(0.5) == 2 ** 30
-    assert triton_dropout.constexprs(0.25) == dict(DROPOUT=0.25, DROP_THRESHOLD=2 ** 29)
+    assert plan.threshold(0.0) == 0 and plan.threshold(0.5) == 2 ** 31
+    assert plan.threshold(1.0 - 2 ** -40) == 2 ** 32 - 1  # stays a uint32
+    assert triton_dropout.constexprs(0.25) == dict(DROPOUT=0.25, DROP_THRESHOLD=2 ** 30)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Attention dropout in JAX: the hash of `attn_spec.dropout` on jnp uint32 values, which the Pallas
-kernels evaluate per tile and the plain reference over the whole [B, H, Sq, Sk] grid."""
+"""Attention dropout in JAX: the hash of `attn_spec.dropout` on jnp uint32 values. The Pallas kernels
+take a call's row and column bits (`tables`) and evaluate `keep` per tile; the plain reference
+evaluates it over the whole [B, H, Sq, Sk] grid."""
 from __future__ import annotations
 
 import types
@@ -14,8 +15,8 @@ def _u32(x):
 
 
 JNP_OPS = types.SimpleNamespace(u32=_u32,
-                                i32=lambda x: x.astype(jnp.int32),
-                                shr=lambda x, n: jax.lax.shift_right_logical(x, jnp.uint32(n)))
+                                shr=lambda x, n: jax.lax.shift_right_logical(x, jnp.uint32(n)),
+                                ge=lambda x, t: x >= jnp.uint32(t))
 
 
 def seed_words(key):
@@ -30,19 +31,29 @@ def seed_words(key):
 
 
 def row_bits(seed, b, h, num_heads, rows):
-    """Per query row of (batch b, query head h): the row's hash (`seed` uint32 [2], a ref or array)."""
+    """Per query row of (batch b, query head h): the row's hash (`seed` uint32 [2])."""
     ops = JNP_OPS
     return plan.row_bits(plan.stream(seed[0], seed[1], b, h, num_heads, ops), rows, ops)
 
 
-def keep(row, cols, rate: float):
-    """row bits and key rows broadcast against each other -> bool, True where kept."""
-    return plan.keep(row, plan.col_bits(cols, JNP_OPS), rate, JNP_OPS)
+def col_bits(cols):
+    return plan.col_bits(cols, JNP_OPS)
+
+
+def keep(row, col, rate: float):
+    """Row and column bits broadcast against each other -> bool, True where kept."""
+    return plan.keep(row, col, rate, JNP_OPS)
+
+
+def tables(seed, batch: int, num_heads: int, q_len: int, kv_len: int):
+    """(rows uint32 [B, H, Sq], cols uint32 [Sk]): every query row's and key row's bits, hashed once
+    per call; the kernels load them like the row statistics and take one product per element."""
+    b = jnp.arange(batch)[:, None, None]
+    h = jnp.arange(num_heads)[None, :, None]
+    return row_bits(seed, b, h, num_heads, jnp.arange(q_len)[None, None, :]), col_bits(jnp.arange(kv_len))
 
 
 def keep_mask(seed, batch: int, num_heads: int, q_len: int, kv_len: int, rate: float):
     """[B, H, Sq, Sk] bool (the plain reference's mask)."""
-    b = jnp.arange(batch)[:, None, None, None]
-    h = jnp.arange(num_heads)[None, :, None, None]
-    row = row_bits(seed, b, h, num_heads, jnp.arange(q_len)[None, None, :, None])
-    return keep(row, jnp.arange(kv_len)[None, None, None, :], rate)
+    rows, cols = tables(seed, batch, num_heads, q_len, kv_len)
+    return keep(rows[..., None], cols[None, None, None, :], rate)

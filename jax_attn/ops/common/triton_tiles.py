@@ -140,13 +140,12 @@ def unpack(refs, spec):
 def side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block, batch_row=lambda *g: g[1]):
     """BlockSpecs and args of the optional side inputs, in the order `unpack` reads them.
 
-    side = (q_info, kv_info, q_table, kv_table[, slopes[, seed]]) (None where absent); q_rows / kv_rows:
+    side = (q_info, kv_info, q_table, kv_table, *whole) (None where absent); q_rows / kv_rows:
     rows per block; q_block / kv_block map the grid ids to the block index along the sequence,
     batch_row to the row of the per-batch inputs (default: grid axis 1, the batch; a row map
-    reads one row per batch and offset). slopes (ALiBi, [heads padded]) and the dropout seed
-    (uint32 [2]) come whole, after the tables: the refs after them in the kernel, in that order."""
-    q_info, kv_info, q_table, kv_table, *rest = side
-    slopes, seed = (list(rest) + [None, None])[:2]
+    reads one row per batch and offset). The whole inputs (ALiBi's slopes [heads padded], dropout's
+    row and column bits) come whole, after the tables: the refs after them in the kernel, in order."""
+    q_info, kv_info, q_table, kv_table, *whole = side
     specs, args = [], []
     if q_info is not None:
         fields = q_info.shape[1]
@@ -158,12 +157,10 @@ def side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block, batch_row=lamb
         specs += [pl.BlockSpec((None, 2, q_rows, half), lambda *g: (g[1], 0, q_block(*g), 0)),
                   pl.BlockSpec((None, 2, kv_rows, half), lambda *g: (g[1], 0, kv_block(*g), 0))]
         args += [q_table, kv_table]
-    if slopes is not None:
-        specs.append(pl.BlockSpec(slopes.shape, lambda *g: (0,)))
-        args.append(slopes)
-    if seed is not None:
-        specs.append(pl.BlockSpec(seed.shape, lambda *g: (0,)))
-        args.append(seed)
+    for x in whole:
+        if x is not None:
+            specs.append(pl.BlockSpec(x.shape, lambda *g, ndim=x.ndim: (0,) * ndim))
+            args.append(x)
     return specs, args
 
 

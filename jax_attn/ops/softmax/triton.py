@@ -162,9 +162,9 @@ def _needs_mask(st: _Static, block_k: int) -> bool:
     return st.spec.has_position_mask or st.spec.has_segments or st.kv_len % block_k != 0
 
 
-def _dropped(spec, x, row_bits, cols):
-    """x where dropout keeps (query row bits, key rows), scaled by 1 / (1 - rate); else 0."""
-    return jnp.where(dropout.keep(row_bits, cols, spec.dropout), x * (1.0 / (1.0 - spec.dropout)), 0.0)
+def _dropped_minus(spec, dp, delta, keep):
+    """dP dropped and scaled by 1 / (1 - rate), minus delta: one FMA and one select per element."""
+    return jnp.where(keep, dp * (1.0 / (1.0 - spec.dropout)) - delta, -delta)
 
 
 def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
@@ -188,7 +188,7 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     spec = st.spec
     q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
     slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
-    seed_ref = rest.pop(0) if spec.dropout else None
+    drop_rows_ref, drop_cols_ref = (rest.pop(0), rest.pop(0)) if spec.dropout else (None, None)
     o_ref, lse_ref, m2_ref, inv_l_ref, *q_rot_ref = rest
     block_q, head_dim = st.blocks.block_q, q_ref.shape[-1]
     block_k = st.blocks.block_k
@@ -206,7 +206,8 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     q_seg = None if q_seg is None else q_seg[:, None]
     k_delta = tiles.rope_delta(st, tables, 1, block_k)
     if spec.dropout:
-        row_bits = dropout.row_bits(seed_ref, pl.program_id(1), pl.program_id(2), pl.num_programs(2), rows)[:, None]
+        row_bits = drop_rows_ref[pl.program_id(1), pl.program_id(2), pl.ds(pl.program_id(0) * block_q, block_q)]
+        row_bits = row_bits[:, None]
 
     def body(j, carry, masked):
         m, l, acc = carry
@@ -234,7 +235,7 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         p = jnp.exp2(s - m_safe[:, None])
         l = l * alpha + p.sum(axis=1)
         if spec.dropout:  # the sum l is the softmax's; dropout acts on the probabilities after it
-            keep = dropout.keep(row_bits, (start + jnp.arange(block_k))[None, :], spec.dropout)
+            keep = dropout.keep(row_bits, drop_cols_ref[tile][None, :], spec.dropout)
             p = jnp.where(keep, p, 0.0)  # 1 / (1 - rate): once a row, below
         acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v, spec)
         return m_new, l, acc
@@ -318,13 +319,13 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
     spec = st.spec
     q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
     slopes_ref = rest.pop(0) if spec.alibi else None
-    seed_ref = rest.pop(0) if spec.dropout else None
+    drop_rows_ref, drop_cols_ref = (rest.pop(0), rest.pop(0)) if spec.dropout else (None, None)
     dk_ref, dv_ref, *k_rot_ref = rest
     # the group's first query head (program ids are read outside the loops: the interpreter
     # cannot discharge them inside)
     first_head = pl.program_id(2) * q_ref.shape[1] if spec.alibi or spec.dropout else None
     if spec.dropout:
-        batch_row, num_heads = pl.program_id(1), pl.num_programs(2) * q_ref.shape[1]
+        batch_row = pl.program_id(1)
     block_k, head_dim = st.blocks.block_k_dkv, k_ref.shape[-1]
     group = q_ref.shape[1]
     block_q = st.blocks.block_q_dkv
@@ -338,6 +339,8 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
     k = tiles.join_parts(k, spec, head_dim)  # rotated: the products take q, k whole
     v = v_ref[...] if kv_rows is None else v_ref[kv_rows, :]
     cols = (pl.program_id(0) * block_k + jnp.arange(block_k))[:, None]
+    if spec.dropout:
+        col_bits = drop_cols_ref[pl.ds(pl.program_id(0) * block_k, block_k)][:, None]
     kv_seg = kv_info.get("seg")
     kv_seg = None if kv_seg is None else kv_seg[:, None]
     kv_orig = None if kv_rows is None else kv_info.get("orig")[:, None]
@@ -369,16 +372,14 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
             q_orig = None if q_rows is None else q_info.get("orig", tile)[None, :]
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg, q_orig, kv_orig)
         p = jnp.exp2(s - m2[None, :]) * inv_l[None, :]
-        if spec.dropout:  # dV takes the dropped probabilities, dP the same mask and scale
-            row_bits = dropout.row_bits(seed_ref, batch_row, first_head + g, num_heads,
-                                        start + jnp.arange(block_q))[None, :]
-            dv = dv + tiles.dot(_dropped(spec, p, row_bits, cols).astype(do.dtype), do, spec)
+        dp = tiles.dot(v, do, spec, trans_b=True)
+        if spec.dropout:  # dV takes the kept probabilities (1 / (1 - rate) once, at the store), dP the mask
+            keep = dropout.keep(drop_rows_ref[batch_row, first_head + g, tile][None, :], col_bits, spec.dropout)
+            dv = dv + tiles.dot(jnp.where(keep, p, 0.0).astype(do.dtype), do, spec)
+            ds = p * _dropped_minus(spec, dp, delta[None, :], keep)
         else:
             dv = dv + tiles.dot(p.astype(do.dtype), do, spec)
-        dp = tiles.dot(v, do, spec, trans_b=True)
-        if spec.dropout:
-            dp = _dropped(spec, dp, row_bits, cols)
-        ds = p * (dp - delta[None, :])
+            ds = p * (dp - delta[None, :])
         if t is not None:  # soft cap: d/draw [cap * tanh(raw * scale / cap)] = scale * (1 - t^2)
             ds = ds * (1.0 - t * t)
         if masked:  # p = 0 there, but dp may be inf (huge masked values): 0 * inf = NaN
@@ -388,6 +389,8 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
 
     carry = (jnp.zeros((block_k, head_dim), jnp.float32),) * 2
     dk, dv = _visit(ranges_ref, body, carry, _needs_mask(st, block_k), stride=group)
+    if spec.dropout:  # the kept probabilities' 1 / (1 - rate), once a key row
+        dv = dv * (1.0 / (1.0 - spec.dropout))
     if st.scatter and kv_rows is not None:  # back to the original rows (no RoPE under an ordering)
         _put(dk_ref, kv_rows, dk * spec.scale)
         _put(dv_ref, kv_rows, dv)
@@ -402,7 +405,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     spec = st.spec
     q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
     slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
-    seed_ref = rest.pop(0) if spec.dropout else None
+    drop_rows_ref, drop_cols_ref = (rest.pop(0), rest.pop(0)) if spec.dropout else (None, None)
     (dq_ref,) = rest
     block_q, head_dim = st.blocks.block_q_dq, q_ref.shape[-1]
     block_k = st.blocks.block_k_dq
@@ -420,7 +423,8 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     q_orig = q_info.get("orig")
     q_orig = None if q_orig is None else q_orig[:, None]
     if spec.dropout:
-        row_bits = dropout.row_bits(seed_ref, pl.program_id(1), pl.program_id(2), pl.num_programs(2), rows)
+        row_bits = drop_rows_ref[pl.program_id(1), pl.program_id(2), pl.ds(pl.program_id(0) * block_q, block_q)]
+        row_bits = row_bits[:, None]
 
     def body(j, dq, masked):
         start = pl.multiple_of(j * block_k, block_k)
@@ -441,8 +445,10 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
         p = jnp.exp2(s - m2) * inv_l
         dp = tiles.dot(do, v, spec, trans_b=True)
         if spec.dropout:
-            dp = _dropped(spec, dp, row_bits, (start + jnp.arange(block_k))[None, :])
-        ds = p * (dp - delta)
+            keep = dropout.keep(row_bits, drop_cols_ref[tile][None, :], spec.dropout)
+            ds = p * _dropped_minus(spec, dp, delta, keep)
+        else:
+            ds = p * (dp - delta)
         if t is not None:
             ds = ds * (1.0 - t * t)
         if masked:
@@ -664,8 +670,8 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     if spec.alibi or spec.dropout:  # whole; slopes padded to a power of two (a Triton block)
         side.append(padding.pad_axis(slopes.astype(jnp.float32), 0, pow2_at_least(slopes.shape[0]))
                     if spec.alibi else None)
-    if spec.dropout:
-        side.append(seed)
+    if spec.dropout:  # every row's and key's bits, hashed once here rather than in every tile
+        side += dropout.tables(seed, batch, q.shape[2], q_pad, kv_pad)
     if order is not None:  # the ordered sequence's side fields: ids of its tokens, their positions
         orig = jnp.concatenate([order.astype(jnp.int32), jnp.arange(q_len, q_pad, dtype=jnp.int32)])
         orig = jnp.broadcast_to(orig, (batch, q_pad))

@@ -23,7 +23,7 @@ seed_words = plan.seed_words
 
 
 class _U32:
-    """uint32 values in an int64 tensor, with the wrapping ^, +, * of uint32."""
+    """uint32 values in an int64 tensor, with the ^, | and the wrapping +, * of uint32."""
 
     __slots__ = ("t",)
 
@@ -32,6 +32,9 @@ class _U32:
 
     def __xor__(self, other: "_U32") -> "_U32":
         return _U32(self.t ^ other.t)
+
+    def __or__(self, other: "_U32") -> "_U32":
+        return _U32(self.t | other.t)
 
     def __add__(self, other: "_U32") -> "_U32":
         return _U32((self.t + other.t) & MASK32)
@@ -48,7 +51,7 @@ def _ops(device) -> types.SimpleNamespace:
             return x
         return _U32(torch.as_tensor(x, dtype=torch.int64, device=device) & MASK32)
 
-    return types.SimpleNamespace(u32=u32, i32=lambda x: x.t, shr=lambda x, n: _U32(x.t >> n))
+    return types.SimpleNamespace(u32=u32, shr=lambda x, n: _U32(x.t >> n), ge=lambda x, t: x.t >= t)
 
 
 def keep_mask(seed: tuple[int, int], batch: int, num_heads: int, q_len: int, kv_len: int, rate: float,

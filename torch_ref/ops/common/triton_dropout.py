@@ -1,16 +1,20 @@
-"""Attention dropout in Triton: the hash of `attn_spec.dropout` on tl.uint32 values, evaluated
-per tile by the softmax kernels (forward, dK/dV, dQ), so the backward regenerates the forward's mask.
+"""Attention dropout in Triton: the hash of `attn_spec.dropout` on tl.uint32 values. `tables` hashes
+a launch's query rows (per batch and head) and key rows once, in one small kernel; the softmax
+kernels (forward, dK/dV, dQ) load those bits like the row statistics and take one product and one
+compare per element, so the backward regenerates the forward's mask.
 
 Every value is tl.uint32: products and sums wrap, and `>>` on an unsigned value is a logical shift.
 The constants are cast to tl.uint32 explicitly (a Python int above 2^31 - 1 would otherwise be
-typed by its value). The seed words enter a kernel as two int64 scalars (`seed_args`: each word
-plus 2^32, so that Triton types them int64 whatever the seed, compiles one kernel for every seed,
-and does not specialise on their value); `stream` keeps their low 32 bits.
+typed by its value). The seed words enter the tables kernel as two int64 scalars (`seed_args`:
+each word plus 2^32, so that Triton types them int64 whatever the seed, compiles one kernel for
+every seed, and does not specialise on their value); `stream` keeps their low 32 bits. The tables
+are int32 tensors holding the uint32 bits (torch has no general uint32 arithmetic).
 
 Importing this module imports triton (see `triton_tiles`).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -20,10 +24,12 @@ MIX1 = tl.constexpr(plan.MIX1)
 MIX2 = tl.constexpr(plan.MIX2)
 GOLDEN = tl.constexpr(plan.GOLDEN)
 
-# the kernels' seed parameters, not specialised on their values (`triton.jit(do_not_specialize=...)`)
+# the tables kernel's seed parameters, not specialised on their values (`triton.jit(do_not_specialize=...)`)
 SEED_ARGS = ("seed0", "seed1")
+TABLE_BLOCK = 1024
 
-__all__ = ["SEED_ARGS", "seed_args", "constexprs", "mix", "stream", "row_bits", "col_bits", "keep", "dropped"]
+__all__ = ["SEED_ARGS", "seed_args", "constexprs", "tables", "mix", "stream", "row_bits", "col_bits", "bits", "keep",
+           "kept_only", "dropped_minus"]
 
 
 def seed_args(seed: tuple[int, int] | None) -> tuple:
@@ -57,20 +63,46 @@ def stream(seed0, seed1, bh):
 
 @triton.jit
 def row_bits(stream_, rows):
-    return mix(stream_ ^ rows.to(tl.uint32))
+    return mix(stream_ ^ rows.to(tl.uint32)) | tl.cast(1, tl.uint32)
 
 
 @triton.jit
 def col_bits(cols):
-    return mix(cols.to(tl.uint32) + tl.cast(GOLDEN, tl.uint32))
+    return mix(cols.to(tl.uint32) + tl.cast(GOLDEN, tl.uint32)) | tl.cast(1, tl.uint32)
+
+
+@triton.jit(do_not_specialize=SEED_ARGS)
+def _tables_kernel(ROWS, COLS, seed0, seed1, Sq, Sk, BLOCK: tl.constexpr):
+    """grid (cdiv(max(Sq, Sk), BLOCK), B * H): ROWS [B * H, Sq] the rows' bits of stream bh, COLS
+    [Sk] the keys' bits (written by the programs of bh = 0)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = row_bits(stream(seed0, seed1, bh), offs)
+    tl.store(ROWS + bh * Sq + offs, rows.to(tl.int32, bitcast=True), mask=offs < Sq)
+    if bh == 0:
+        tl.store(COLS + offs, col_bits(offs).to(tl.int32, bitcast=True), mask=offs < Sk)
+
+
+def tables(seed: tuple[int, int], streams: int, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows int32 [streams, q_len], cols int32 [kv_len]): the uint32 bits of stream bh = b * H + h's
+    query rows and of the key rows, for the kernels' `bits`."""
+    rows = torch.empty((streams, q_len), dtype=torch.int32, device=device)
+    cols = torch.empty((kv_len,), dtype=torch.int32, device=device)
+    _tables_kernel[(triton.cdiv(max(q_len, kv_len), TABLE_BLOCK), streams)](
+        rows, cols, *seed_args(seed), q_len, kv_len, BLOCK=TABLE_BLOCK)
+    return rows, cols
+
+
+@triton.jit
+def bits(table, offs, n):
+    """A table's uint32 bits at offs (0 past n, where nothing is kept or read)."""
+    return tl.load(table + offs, mask=offs < n, other=0).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def keep(row, col, DROP_THRESHOLD: tl.constexpr):
-    """row and column bits broadcast against each other -> True where kept (`plan.scramble`)."""
-    x = row ^ col
-    x = (x ^ (x >> 16)) * tl.cast(MIX1, tl.uint32)
-    return (x >> 1).to(tl.int32) >= DROP_THRESHOLD
+    """row and column bits broadcast against each other -> True where kept (`plan.keep`)."""
+    return row * col >= tl.cast(DROP_THRESHOLD, tl.uint32)
 
 
 @triton.jit
@@ -80,6 +112,6 @@ def kept_only(x, kept):
 
 
 @triton.jit
-def dropped(x, kept, DROPOUT: tl.constexpr):
-    """x scaled by 1 / (1 - rate) where kept, else 0."""
-    return tl.where(kept, x * (1.0 / (1.0 - DROPOUT)), 0.0)
+def dropped_minus(dp, delta, kept, DROPOUT: tl.constexpr):
+    """dP dropped and scaled by 1 / (1 - rate), minus delta: one FMA and one select per element."""
+    return tl.where(kept, dp * (1.0 / (1.0 - DROPOUT)) - delta, -delta)

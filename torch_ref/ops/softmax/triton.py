@@ -34,13 +34,14 @@ returns (h, h // GROUP, b), the very values the kernels used before the map exis
 else is emitted. With per-head offsets inside a GQA group (DKV_PER_QHEAD) the dK/dV kernel runs
 one program per query head and writes dk, dv per query head; the caller sums each group.
 
-Dropout (constexprs DROPOUT, the rate, and DROP_THRESHOLD; scalars seed0, seed1; `triton_dropout`):
-the mask of `attn_spec.dropout`, hashed per tile from (seed, batch, query head, query row, key row),
-so the backward kernels regenerate the forward's. The forward drops the probabilities after their
-sum l (the lse stays the softmax's) and before the PV product; dK/dV takes the dropped
-probabilities for dV and masks and scales dP; dQ masks and scales dP; dS = P * (dP - delta) with
-delta_i = sum_d dO_i O_i - dlse_i as without dropout. DROPOUT = 0 (the default) compiles none of
-it, and the seeds are then None (constexprs): the kernels are those without dropout.
+Dropout (constexprs DROPOUT, the rate, and DROP_THRESHOLD; DROP_ROWS [B, Hq, Sq] and DROP_COLS [Sk],
+the rows' and keys' hashes of `attn_spec.dropout`, built once per launch by `triton_dropout.tables`):
+each tile's mask is their product against the threshold, so the backward kernels regenerate the
+forward's. The forward drops the probabilities after their sum l (the lse stays the softmax's)
+and before the PV product; dK/dV takes the kept probabilities for dV (scaled once at the store)
+and masks and scales dP; dQ masks and scales dP; dS = P * (dP - delta) with delta_i = sum_d dO_i
+O_i - dlse_i as without dropout. DROPOUT = 0 (the default) compiles none of it, and the tables are
+then None (constexprs): the kernels are those without dropout.
 
 Orderings (constexprs ORDERED, SCATTER; ORIG, its strides, Ssrc and BATCH_DIV;
 docs/design/orderings.md): the tiles are those of an ordered sequence whose row t is token
@@ -258,7 +259,7 @@ def _visited(RANGES, block):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, sks_s, skp_s,
                theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2, aoff,
-               drop_rows, blk_lo, blk_hi, ko_base, sors, Ssrc, qo,
+               drop_rows, DROP_COLS, blk_lo, blk_hi, ko_base, sors, Ssrc, qo,
                BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
@@ -301,18 +302,18 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
         p = tl.exp2(s2 - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DROPOUT > 0:  # l is the softmax's sum; dropout acts on the probabilities after it
-            p = drop.kept_only(p, drop.keep(drop_rows, drop.col_bits(cols)[None, :], DROP_THRESHOLD))
+            p = drop.kept_only(p, drop.keep(drop_rows, drop.bits(DROP_COLS, cols, Sk)[None, :], DROP_THRESHOLD))
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=drop.SEED_ARGS)
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
                 sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right, aoff, seed0, seed1,
+                Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right, aoff, DROP_ROWS, DROP_COLS,
                 ORIG, sorb, sors, Ssrc, BATCH_DIV,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -364,7 +365,7 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
 
     drop_rows = None  # the query rows' dropout bits
     if DROPOUT > 0:
-        drop_rows = drop.row_bits(drop.stream(seed0, seed1, b * Hq + h), offs_m)[:, None]
+        drop_rows = drop.bits(DROP_ROWS + (b * Hq + h) * Sq, offs_m, Sq)[:, None]
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -373,19 +374,19 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, slope2, aoff, drop_rows, b_lo, f_lo, orig_base, sors, Ssrc,
+                               score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, b_lo, f_lo, orig_base, sors, Ssrc,
                                qo[:, None], BLOCK_N, HALF, CHECK_D,
                                CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE,
                                ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, slope2, aoff, drop_rows, f_lo, f_hi, orig_base, sors, Ssrc,
+                               score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, f_lo, f_hi, orig_base, sors, Ssrc,
                                qo[:, None], BLOCK_N, HALF, CHECK_D,
                                CHECK_H, False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE,
                                ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd, skss,
                                skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                               score_mul, cap_mul, slope2, aoff, drop_rows, f_hi, b_hi, orig_base, sors, Ssrc,
+                               score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, f_hi, b_hi, orig_base, sors, Ssrc,
                                qo[:, None], BLOCK_N, HALF, CHECK_D,
                                CHECK_H, True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE,
                                ROPE_INTERLEAVED, PRECISION, HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
@@ -416,7 +417,7 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
 @triton.jit
 def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
                 qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk,
-                left, right, score_mul, cap_mul, slope2, aoff, drop_stream, drop_cols, blk_lo, blk_hi,
+                left, right, score_mul, cap_mul, slope2, aoff, drop_rows, drop_cols, blk_lo, blk_hi,
                 qo_base, sors, Ssrc, ko,
                 BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                 POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -427,7 +428,7 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
     # Tiles are transposed ([keys, queries]) so dK, dV accumulate as [BLOCK_N, D] without trans.
     # With ROPE, (k, k2) and (dk, dk2) are the pair halves (rotated k; gradient w.r.t. it).
     # (kT, kT2): the key tile as the forward loads it, used only if _FWD_SCORES (interpreter).
-    # With DROPOUT: drop_stream, the head's dropout stream; drop_cols, the keys' bits ([BLOCK_N, 1]).
+    # With DROPOUT: drop_rows, the head's row bits (a pointer); drop_cols, the keys' bits ([BLOCK_N, 1]).
     # ORDERED: query rows gathered through ORIG (qo_base); ko: the key rows' original positions
     # ([BLOCK_N, 1]); SCATTER: the row statistics in the original order.
     for blk in range(blk_lo, blk_hi):
@@ -486,14 +487,14 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
             q = tl.where(row_ok[:, None], q, 0.0)
             if ROPE:
                 q2 = tl.where(row_ok[:, None], q2, 0.0)
-        if DROPOUT > 0:  # dV takes the dropped probabilities, dP the same mask and scale
-            keptT = drop.keep(drop.row_bits(drop_stream, rows)[None, :], drop_cols, DROP_THRESHOLD)
-            dv = tl.dot(drop.dropped(pT, keptT, DROPOUT).to(do.dtype), do, dv, input_precision=PRECISION)
-            dpT = drop.dropped(tl.dot(v, tl.trans(do), input_precision=PRECISION), keptT, DROPOUT)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT > 0:  # dV takes the kept probabilities (1 / (1 - rate) once, at the store), dP the mask
+            keptT = drop.keep(drop.bits(drop_rows, rows, Sq)[None, :], drop_cols, DROP_THRESHOLD)
+            dv = tl.dot(drop.kept_only(pT, keptT).to(do.dtype), do, dv, input_precision=PRECISION)
+            dsT = pT * drop.dropped_minus(dpT, delta[None, :], keptT, DROPOUT)
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dsT = pT * (dpT - delta[None, :])
+            dsT = pT * (dpT - delta[None, :])
         if HAS_SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)
         if POSITIONAL or HAS_SEGMENTS:
@@ -504,12 +505,12 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
     return dk, dk2, dv
 
 
-@triton.jit(do_not_specialize=drop.SEED_ARGS)
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                      sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
                      sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                     Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, seed0, seed1,
+                     Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, DROP_ROWS, DROP_COLS,
                      ORIG, sorb, sors, Ssrc, BATCH_DIV,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -585,7 +586,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     drop_cols = None  # the keys' dropout bits
     if DROPOUT > 0:
-        drop_cols = drop.col_bits(offs_n)[:, None]
+        drop_cols = drop.bits(DROP_COLS, offs_n, Sk)[:, None]
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_n)
     for g in range(n_heads):
         if DKV_PER_QHEAD:
@@ -596,9 +597,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(ALIBI + h)
-        drop_stream = None  # query head h's dropout stream
+        drop_rows = DROP_ROWS  # query head h's rows of dropout bits
         if DROPOUT > 0:
-            drop_stream = drop.stream(seed0, seed1, b * Hq + h)
+            drop_rows = DROP_ROWS + (b * Hq + h) * Sq
         q_base = Q + bsrc * sqb + hq * sqh
         do_base = DO + bsrc * sdob + hq * sdoh
         m2_base = M2 + (b * Hq + h) * Sq
@@ -607,25 +608,27 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
                                   offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
-                                  aoff, drop_stream, drop_cols, b_lo, f_lo, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
+                                  aoff, drop_rows, drop_cols, b_lo, f_lo, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
                                   HALF, CHECK_D, CHECK_H, True,
                                   IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                                   HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED, SCATTER)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
                                   offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
-                                  aoff, drop_stream, drop_cols, f_lo, f_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
+                                  aoff, drop_rows, drop_cols, f_lo, f_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
                                   HALF, CHECK_D, CHECK_H, False,
                                   IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                                   HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED, SCATTER)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
                                   offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
-                                  aoff, drop_stream, drop_cols, f_hi, b_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
+                                  aoff, drop_rows, drop_cols, f_hi, b_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
                                   HALF, CHECK_D, CHECK_H, True,
                                   IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                                   HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED, SCATTER)
 
+    if DROPOUT > 0:  # the kept probabilities' 1 / (1 - rate), once a key row
+        dv = dv * (1.0 / (1.0 - DROPOUT))
     if ROPE:
         # ds/dk' = scale * q' (the softcap factor is already in ds); dk = R^T dk'
         store_unrotated(DK + b * sdkb + hk * sdkh, offs_n, n_ok, sdks, sdkd, dk * sm_scale, dk2 * sm_scale,
@@ -650,7 +653,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
 @triton.jit
 def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd,
               sks_s, skp_s, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul,
-              cap_mul, slope2, aoff, drop_rows, blk_lo, blk_hi, ko_base, sors, Ssrc, qo,
+              cap_mul, slope2, aoff, drop_rows, DROP_COLS, blk_lo, blk_hi, ko_base, sors, Ssrc, qo,
               BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
               POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
@@ -678,8 +681,10 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
         p = tl.exp2(s2 - m2[:, None]) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PRECISION)
         if DROPOUT > 0:
-            dp = drop.dropped(dp, drop.keep(drop_rows, drop.col_bits(cols)[None, :], DROP_THRESHOLD), DROPOUT)
-        ds = p * (dp - delta[:, None])
+            kept = drop.keep(drop_rows, drop.bits(DROP_COLS, cols, Sk)[None, :], DROP_THRESHOLD)
+            ds = p * drop.dropped_minus(dp, delta[:, None], kept, DROPOUT)
+        else:
+            ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
         if POSITIONAL or HAS_SEGMENTS:
@@ -699,12 +704,12 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
     return dq, dq2
 
 
-@triton.jit(do_not_specialize=drop.SEED_ARGS)
+@triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                    sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                    sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
                    sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                   Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, seed0, seed1,
+                   Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, DROP_ROWS, DROP_COLS,
                    ORIG, sorb, sors, Ssrc, BATCH_DIV,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -764,7 +769,7 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
 
     drop_rows = None  # the query rows' dropout bits
     if DROPOUT > 0:
-        drop_rows = drop.row_bits(drop.stream(seed0, seed1, b * Hq + h), offs_m)[:, None]
+        drop_rows = drop.bits(DROP_ROWS + (b * Hq + h) * Sq, offs_m, Sq)[:, None]
 
     if ROPE:
         dq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -775,19 +780,19 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, drop_rows, b_lo, f_lo, orig_base, sors, Ssrc, qo[:, None],
+                        score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, b_lo, f_lo, orig_base, sors, Ssrc, qo[:, None],
                         BLOCK_N, HALF, CHECK_D, CHECK_H,
                         True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                         HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, drop_rows, f_lo, f_hi, orig_base, sors, Ssrc, qo[:, None],
+                        score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, f_lo, f_hi, orig_base, sors, Ssrc, qo[:, None],
                         BLOCK_N, HALF, CHECK_D, CHECK_H,
                         False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                         HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, drop_rows, f_hi, b_hi, orig_base, sors, Ssrc, qo[:, None],
+                        score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, f_hi, b_hi, orig_base, sors, Ssrc, qo[:, None],
                         BLOCK_N, HALF, CHECK_D, CHECK_H,
                         True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                         HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
@@ -882,14 +887,15 @@ def _flags(causal, window, q_ids, softcap):
                 HAS_SOFTCAP=softcap is not None)
 
 
-def _dropout_args(dropout, row_map):
-    """((seed0, seed1) scalars, constexprs) of a launch: dropout = (rate, (s0, s1)) or None."""
+def _dropout_args(dropout, row_map, batch: int, num_heads: int, q_len: int, kv_len: int, device):
+    """((DROP_ROWS, DROP_COLS), constexprs) of a launch: dropout = (rate, (s0, s1)) or None. The
+    row and column bits (`triton_dropout.tables`) are hashed once per launch, not per tile."""
     if dropout is None:
-        return drop.seed_args(None), {}
+        return (None, None), {}
     if row_map is not None:
         raise NotImplementedError("dropout with a row map (dilated attention) is not implemented")
     rate, seed = dropout
-    return drop.seed_args(seed), drop.constexprs(rate)
+    return drop.tables(seed, batch * num_heads, q_len, kv_len, device), drop.constexprs(rate)
 
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
@@ -929,7 +935,7 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     alibi_args = _alibi_args(alibi, q)
-    seeds, drop_kw = _dropout_args(dropout, row_map)
+    drop_tables, drop_kw = _dropout_args(dropout, row_map, B, Hq, Sq, Sk, q.device)
     gather_args, gather_kw = _gather_args(gather, q)
     grid = (triton.cdiv(Sq, cfg.block_q), Hq, B)
     with device_ctx(q):
@@ -937,7 +943,7 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
             q, k, v, out, lse, m2, inv_l, qseg, kseg, *rope_ptrs,
             _ranges(causal, window, gather, Sq, Sk, cfg.block_q, cfg.block_k, key_major=False, device=q.device),
             alibi_args[0], *q.stride(), *k.stride(), *v.stride(), *out.stride(), *seg_strides, *rope_strides,
-            Hq, group, Sq, Sk, score_mul, cap_mul, left, right, *alibi_args[1:], *seeds, *gather_args,
+            Hq, group, Sq, Sk, score_mul, cap_mul, left, right, *alibi_args[1:], *drop_tables, *gather_args,
             HEAD_DIM=D, BLOCK_M=cfg.block_q, BLOCK_N=cfg.block_k, BLOCK_D=block_d(D),
             PRECISION=precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **_flags(causal, window, q_ids, softcap), **rope_flags, HAS_ALIBI=alibi is not None, **map_kw,
@@ -990,13 +996,13 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
-    seeds, drop_kw = _dropout_args(dropout, row_map)
+    drop_tables, drop_kw = _dropout_args(dropout, row_map, B, Hq, Sq, Sk, q.device)
     gather_args, gather_kw = _gather_args(gather, q)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), PRECISION=precision(q.dtype), num_warps=cfg.num_warps_bwd,
                   num_stages=cfg.num_stages_bwd, **_flags(causal, window, q_ids, softcap), **rope_flags,
                   HAS_ALIBI=alibi is not None, **drop_kw, **gather_kw)
     alibi_args = _alibi_args(alibi, q)
-    scalars = (Hq, group, Sq, Sk, score_mul, cap_mul, scale, left, right, *alibi_args[1:], *seeds, *gather_args)
+    scalars = (Hq, group, Sq, Sk, score_mul, cap_mul, scale, left, right, *alibi_args[1:], *drop_tables, *gather_args)
     dkv_kw = dict(map_kw, DKV_PER_QHEAD=True) if per_qhead else map_kw
     with device_ctx(q):
         _bwd_dkdv_kernel[(triton.cdiv(Sk, cfg.block_k_dkv), Hkv, B)](
