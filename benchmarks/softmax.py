@@ -26,6 +26,8 @@ Columns:
     torch_ref_alibi  torch_ref with ALiBi: its cost over torch_ref
     dropout_triton   pallas_triton with attention dropout 0.1: its cost over pallas_triton
     torch_ref_dropout  torch_ref with attention dropout 0.1: its cost over torch_ref
+    torch_flash_dropout  torch_flash with dropout_p 0.1 (FlashAttention-2's Philox dropout): its cost
+                     over torch_flash, the anchor for ours
 
 Anchors that do not import (tokamax, torch) or do not take a case (mha with GQA) are "absent" rows.
 """
@@ -108,7 +110,7 @@ def tokamax(implementation):
     return build
 
 
-def torch_sdpa(backend: str):
+def torch_sdpa(backend: str, dropout: bool = False):
     def build(case, opts):
         torch, _, why = harness.torch_modules()
         if torch is None:
@@ -120,7 +122,8 @@ def torch_sdpa(backend: str):
         def f(q, k, v):
             with sdpa_kernel(b):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal,
-                                                                        enable_gqa=gqa)
+                                                                        enable_gqa=gqa, dropout_p=p)
+        p = DROPOUT if dropout else 0.0
         return f
     return build
 
@@ -163,6 +166,8 @@ COLUMNS = [
     Column("torch_ref_alibi", torch_ref_build(alibi=True), framework="torch", note=smoke_note),
     Column("dropout_triton", ours("pallas_triton", dropout=True)),
     Column("torch_ref_dropout", torch_ref_build(dropout=True), framework="torch", note=smoke_note),
+    Column("torch_flash_dropout", torch_sdpa("FLASH_ATTENTION", dropout=True), framework="torch", layout="bhsd",
+           note=smoke_note),
 ]
 
 
