@@ -270,7 +270,9 @@ def launch(kernel, args, out_type, grid, grid_names, own, ring):
                         thread_name="wg", compiler_params=params)(*args)
 
 
-# The forward's grid; Pallas launches its last axis fastest. Heads outermost: a head's query tiles
-# run together and share its K, V in L2 (with RoPE too: `_NextHead` rotates a head's q and keys
-# while the head before runs).
-FORWARD_GRID = ("heads", "q_tiles", "batch")
+# The forward's grid; Pallas launches its last axis fastest (CUDA's x). Query tiles fastest: the
+# tiles of one (head, batch row) run together and read its K, V from L2 once. With the batch
+# fastest, a row's tiles ran B CTAs apart, and from B * 1 MB of K, V past the L2 (B = 64 rows of
+# 2048 x 128, a dilated branch at 128k) the forward re-read them from HBM: 1.4x slower. Heads
+# outermost (with RoPE, `_NextHead` rotates a head's q and keys while the head before runs).
+FORWARD_GRID = ("heads", "batch", "q_tiles")

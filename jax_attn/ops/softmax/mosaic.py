@@ -371,9 +371,8 @@ class _SharedKeys:
 
 
 class _NextHead:
-    """The RoPE forward's rotations one head ahead. The grid runs heads outermost (a head's CTAs
-    share its K, V in L2), so a head's CTAs run together and would all rotate the same key blocks
-    at once; instead each CTA rotates, for the CTA at its place in the next head, that CTA's q
+    """The RoPE forward's rotations one head ahead. The grid runs heads outermost (`FORWARD_GRID`),
+    so a head's CTAs run together and would all rotate the same key blocks at once; instead each CTA rotates, for the CTA at its place in the next head, that CTA's q
     tile and one key block of the next head (where it starts a new kv head), stores them to q
     rotated / k rotated and publishes their flags. Its producer does it in 64-row chunks in the
     stream's idle time (`_SharedKeys.idle`: a chunk loads at one step and is rotated at the next),
@@ -819,11 +818,11 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
         return smem + (rotary_smem,), (ready, rotary_barriers)
     dk, dv = frame.launch(functools.partial(_dkdv_kernel, **dkdv_options), (q, k, v, do, m2, delta, *tables),
                      (jax.ShapeDtypeStruct((batch, kv_pad, dkdv_heads, head_dim), k.dtype),) * 2,
-                     (dkdv_heads, kv_pad // (2 * bkv), batch),
-                     ("heads", "k_tiles", "batch"), own(bkv, k.dtype),
+                     (dkdv_heads, batch, kv_pad // (2 * bkv)),
+                     ("heads", "batch", "k_tiles"), own(bkv, k.dtype),
                      frame.ring_scratch(blocks.num_stages_bwd, bq, head_dim, q.dtype))
     dq = frame.launch(functools.partial(_dq_kernel, **options), (q, k, v, do, m2, delta, *tables),
-                 jax.ShapeDtypeStruct((batch, q_pad, dq_heads, head_dim), q.dtype), (dq_heads, q_pad // (2 * bq), batch),
-                 ("heads", "q_tiles", "batch"), own(bq, q.dtype),
+                 jax.ShapeDtypeStruct((batch, q_pad, dq_heads, head_dim), q.dtype), (dq_heads, batch, q_pad // (2 * bq)),
+                 ("heads", "batch", "q_tiles"), own(bq, q.dtype),
                  frame.ring_scratch(blocks.num_stages_bwd, bkv, head_dim, k.dtype))
     return dq, dk, dv
