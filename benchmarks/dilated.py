@@ -75,7 +75,7 @@ def cases(opts):
                 DilatedCase("groups", 1, 256, 4, 64, params={"segments": (64, 128), "rates": (1, 2),
                                                              "merge": "head_groups"}),
                 DilatedCase("dense", 1, 256, 4, 64)]
-    lengths = (8192, 32768) if opts.quick else (8192, 32768, 131072)
+    lengths = opts.lengths or ((8192, 32768) if opts.quick else (8192, 32768, 131072))
     out = []
     for s in lengths:  # each length's dense row beside its dilated one
         out.append(DilatedCase("dilated", 1, s, 16, 128, params={"segments": CONFIG[0], "rates": CONFIG[1]}))
@@ -279,6 +279,9 @@ COLUMNS = [
 
 def main(argv=None) -> int:
     p = harness.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
+                   help="comma-separated sequence lengths of the dilated and dense cases (default 8k, 32k, 128k; "
+                        "--quick 8k, 32k)")
     p.add_argument("--mask-max-seq", type=int, default=8192, help="longest S of the dense-mask column")
     opts = harness.finish_options(p.parse_args(argv))
     cs = harness.select(cases(opts), opts.cases, key=lambda c: c.tag, what="case")
