@@ -5,7 +5,8 @@
     the softmax uniform, a one-hot v reads the forward's mask out of `out` and a one-hot dO the
     dK/dV kernel's out of `dv` (per query head of a GQA group);
 (b) the drop fraction matches the rate, and masks of neighbouring rows, columns, heads, batches
-    and seeds are independent (within a few sigma);
+    and seeds, and 2x2 groups of elements, are independent (within a few sigma); the kernels'
+    row and column tables hold NumPy's bits;
 (c) every implementation of both frameworks within the tolerance rule of the float64 golden that
     replays the same mask (out, lse, dq, dk, dv);
 (d) the two frameworks' float64 references agree for one seed (jax.random.key(s) and
