@@ -16,7 +16,8 @@ dropout costs in the kernels (three times per element: forward, dK/dV and dQ). B
 so a row's bits are a bijection of its columns' hashes and a column's of its rows': no row or column
 can collapse to zero. A sum or XOR of the two hashes would tie the four elements (i, j), (i', j),
 (i, j'), (i', j') together linearly; the product's high bits do not (drop fractions, neighbour and
-2x2 statistics match independent draws: `tests/test_dropout.py`). Kept elements are scaled by 1 / (1 - rate).
+2x2 statistics match independent draws: `tests/test_dropout.py`). The kernels take row_i and col_j
+hashed once per call (each framework's `tables`). Kept elements are scaled by 1 / (1 - rate).
 A seed is two uint32 words: JAX takes them from a PRNG key (`jax.random.key_data` of a threefry
 key), torch from an int s in [0, 2^64) (`seed_words`: (s >> 32, s & 0xffffffff), threefry's layout).
 So torch's `dropout_seed=s` and `jax.random.wrap_key_data(jnp.array(seed_words(s), jnp.uint32))`
