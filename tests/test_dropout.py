@@ -159,6 +159,24 @@ def test_kernels_apply_the_mask(framework, implementation):
     np.testing.assert_allclose(dv_mask, np.where(keep, value, 0.0), rtol=1e-6, atol=0)
 
 
+def test_jax_kernels_lower_for_cuda():
+    """The compiled (not interpreted) Pallas Triton forward, dK/dV and dQ kernels with dropout lower
+    for CUDA here: the uint32 tables, products and unsigned compares pass Triton's lowering."""
+    from jax_attn.ops.common.spec import AttentionSpec
+    from jax_attn.ops.softmax import triton as engine
+    spec = AttentionSpec(scale=64 ** -0.5, causal=True, dropout=0.1)
+    q = jax.ShapeDtypeStruct((2, 200, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)
+
+    def fwd_bwd(q, k, v, seed):
+        out, vjp = jax.vjp(lambda q, k, v: engine.flash_attention_pallas(q, k, v, None, None, spec, interpret=False,
+                                                                       seed=seed)[0], q, k, v)
+        return vjp(out)
+
+    lowered = jax.jit(fwd_bwd).trace(q, kv, kv, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    assert lowered.lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton") == 3
+
+
 # ---------------------------------------------------------------------------------------------
 # (b) rate statistics
 # ---------------------------------------------------------------------------------------------
