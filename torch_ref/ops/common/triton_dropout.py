@@ -1,5 +1,5 @@
 """Attention dropout in Triton: the hash of `attn_spec.dropout` on tl.uint32 values. `tables` hashes
-a launch's query rows (per batch and head) and key rows once, in one small kernel; the softmax
+a call's query rows (per batch and head) and key rows once, in one small kernel; the softmax
 kernels (forward, dK/dV, dQ) load those bits like the row statistics and take one product and one
 compare per element, so the backward regenerates the forward's mask.
 

@@ -35,7 +35,7 @@ else is emitted. With per-head offsets inside a GQA group (DKV_PER_QHEAD) the dK
 one program per query head and writes dk, dv per query head; the caller sums each group.
 
 Dropout (constexprs DROPOUT, the rate, and DROP_THRESHOLD; DROP_ROWS [B, Hq, Sq] and DROP_COLS [Sk],
-the rows' and keys' hashes of `attn_spec.dropout`, built once per launch by `triton_dropout.tables`):
+the rows' and keys' hashes of `attn_spec.dropout`, built once per call by `hash_dropout`):
 each tile's mask is their product against the threshold, so the backward kernels regenerate the
 forward's. The forward drops the probabilities after their sum l (the lse stays the softmax's)
 and before the PV product; dK/dV takes the kept probabilities for dV (scaled once at the store)
@@ -887,15 +887,23 @@ def _flags(causal, window, q_ids, softcap):
                 HAS_SOFTCAP=softcap is not None)
 
 
-def _dropout_args(dropout, row_map, batch: int, num_heads: int, q_len: int, kv_len: int, device):
-    """((DROP_ROWS, DROP_COLS), constexprs) of a launch: dropout = (rate, (s0, s1)) or None. The
-    row and column bits (`triton_dropout.tables`) are hashed once per launch, not per tile."""
+def hash_dropout(dropout, q, k):
+    """dropout (rate, (s0, s1)) or None -> (rate, (rows, cols)) or None: the call's row and key bits
+    (`triton_dropout.tables`), hashed once for its forward and backward kernels."""
+    if dropout is None:
+        return None
+    rate, seed = dropout
+    return rate, drop.tables(seed, q.shape[0] * q.shape[2], q.shape[1], k.shape[1], q.device)
+
+
+def _dropout_args(dropout, row_map):
+    """((DROP_ROWS, DROP_COLS), constexprs) of a launch: dropout = `hash_dropout`'s or None."""
     if dropout is None:
         return (None, None), {}
     if row_map is not None:
         raise NotImplementedError("dropout with a row map (dilated attention) is not implemented")
-    rate, seed = dropout
-    return drop.tables(seed, batch * num_heads, q_len, kv_len, device), drop.constexprs(rate)
+    rate, tables = dropout
+    return tables, drop.constexprs(rate)
 
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
@@ -911,8 +919,8 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     row_map: an `attn_spec.dilation.RowMap` (with `grid_heads`, the heads it runs) or None: q, k, v
     are then slot views `[B', L, rate * heads, D]` (and q_ids / kv_ids `[B' * rate, L]`), and out,
     lse, stats come compact, `[B', L, grid_heads, D]` / `[B', grid_heads, L]` (no RoPE, ALiBi,
-    window or softcap with it). out_dtype: out's dtype (default q.dtype). dropout: (rate, (s0, s1))
-    (the seed words of `attn_spec.dropout`) or None; no row map with it.
+    window or softcap with it). out_dtype: out's dtype (default q.dtype). dropout: (rate, (rows,
+    cols)), the bits `hash_dropout` makes of a seed, or None; no row map with it.
     gather: an ordering's rows, (orig int32 [R, L], scatter, batch_div) or None: the tiles are those
     of an ordered sequence of L rows whose row t is row orig[bs, t] of q, k, v (whole arrays
     [B, S, H, D], batch row b // batch_div; bs as the segment-id row). scatter: out, lse, stats in
@@ -935,7 +943,7 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     alibi_args = _alibi_args(alibi, q)
-    drop_tables, drop_kw = _dropout_args(dropout, row_map, B, Hq, Sq, Sk, q.device)
+    drop_tables, drop_kw = _dropout_args(dropout, row_map)
     gather_args, gather_kw = _gather_args(gather, q)
     grid = (triton.cdiv(Sq, cfg.block_q), Hq, B)
     with device_ctx(q):
@@ -967,8 +975,8 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     stats and delta compact `[B', grid_heads, L]`, and the gradients come compact: dq
     `[B', L, grid_heads, D]`, dk / dv `[B', L, grid_heads // group, D]`, or `[B', L, grid_heads, D]`
     per query head when `dkv_per_query_head(row_map, grid_heads)` (the caller sums each GQA group).
-    grad_dtype: the gradients' dtype (default the inputs'). dropout: the forward's (the same seed
-    regenerates its mask); delta is unchanged by it (sum_j P~_ij dP_ij = dO_i . O_i).
+    grad_dtype: the gradients' dtype (default the inputs'). dropout: the forward's (the same bits
+    regenerate its mask); delta is unchanged by it (sum_j P~_ij dP_ij = dO_i . O_i).
     gather: as in `forward` (q, k, v, do whole; with scatter the statistics, delta and the
     gradients in the original order, else compact).
     """
@@ -996,7 +1004,7 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
-    drop_tables, drop_kw = _dropout_args(dropout, row_map, B, Hq, Sq, Sk, q.device)
+    drop_tables, drop_kw = _dropout_args(dropout, row_map)
     gather_args, gather_kw = _gather_args(gather, q)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), PRECISION=precision(q.dtype), num_warps=cfg.num_warps_bwd,
                   num_stages=cfg.num_stages_bwd, **_flags(causal, window, q_ids, softcap), **rope_flags,
@@ -1028,6 +1036,7 @@ class FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos, config=None,
                 alibi=None, dropout=None, gather=None):
+        dropout = hash_dropout(dropout, q, k)  # dropout: (rate, (s0, s1)) or None
         out, lse, stats = forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
                                   window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
                                   config=config, alibi=alibi, dropout=dropout, gather=gather)
@@ -1046,5 +1055,5 @@ class FlashAttentionFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
-__all__ = ["BlockSizes", "default_block_sizes", "block_d", "forward", "backward", "FlashAttentionFn", "INTERPRETED",
-           "MAX_HEAD_DIM", "map_constexprs", "dkv_per_query_head"]
+__all__ = ["BlockSizes", "default_block_sizes", "block_d", "forward", "backward", "FlashAttentionFn", "hash_dropout",
+           "INTERPRETED", "MAX_HEAD_DIM", "map_constexprs", "dkv_per_query_head"]
