@@ -32,10 +32,8 @@ __all__ = ["SEED_ARGS", "seed_args", "constexprs", "tables", "mix", "stream", "r
            "kept_only", "dropped_minus"]
 
 
-def seed_args(seed: tuple[int, int] | None) -> tuple:
-    """The kernels' (seed0, seed1) scalars: None (a constexpr: nothing emitted) without dropout."""
-    if seed is None:
-        return None, None
+def seed_args(seed: tuple[int, int]) -> tuple[int, int]:
+    """The tables kernel's (seed0, seed1) scalars of the seed words."""
     return seed[0] + 2 ** 32, seed[1] + 2 ** 32
 
 
