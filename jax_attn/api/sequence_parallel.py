@@ -286,7 +286,7 @@ def ring_dilated_attention(q, k, v, *, axis_name, segment_lengths, dilation_rate
     order = _shard_order(ordering, grid, num_shards, length, axis_name)
     local = functools.partial(dilated_attention, q, k, v, scale=scale, ordering=order, return_lse=True,
                               implementation=implementation)
-    outs, lses = [], []
+    local_branches, spanning = [], []
     for w, r in zip(lengths, rates):
         if length % r:
             raise ValueError(f"dilation rate {r} must divide the shard length L={length}")
@@ -295,28 +295,38 @@ def ring_dilated_attention(q, k, v, *, axis_name, segment_lengths, dilation_rate
             if length % w:
                 raise ValueError(f"segment length {w} must divide the shard length L={length} (or be a multiple "
                                  f"of it spanning whole shards)")
-            out, lse = local(segment_lengths=(w,), dilation_rates=(r,), causal=causal)
+            local_branches.append((w, r))
+        elif w % length or num_shards % (w // length):
+            raise ValueError(f"segment length {w} longer than the shard length L={length} must span a whole "
+                             f"number of shards dividing the {num_shards} of axis {axis_name!r}")
         else:
-            if w % length or num_shards % (w // length):
-                raise ValueError(f"segment length {w} longer than the shard length L={length} must span a whole "
-                                 f"number of shards dividing the {num_shards} of axis {axis_name!r}")
-            # causal under an ordering: the shard's own keys need original-position causality, which
-            # the local kernel has; the ring skips them and brings the other shards' keys
-            own_apart = bool(causal) and order is not None
-            spec = AttentionSpec(scale=scale, causal=bool(causal), precision=validation.fp32_precision(q.dtype))
-            st = ring_ops.Static(axis_name, num_shards, "contiguous", "ring", spec, None, group=w // length,
-                                 skip_own=own_apart)
-            rows = length // r
-            st = dataclasses.replace(st, step=_step_backend(implementation, None, st.case_specs(rows), head_dim,
-                                                            q.dtype))
-            out, lse = ring_ops.sequence_parallel_attention(st, *(ring_dilated.select(x, r, num_heads, order)
-                                                                  for x in (q, k, v)))
-            out, lse = ring_dilated.scatter(out, lse, r, order)
-            if own_apart:  # the shard as one segment, causal on original positions, merged by lse
-                own, own_lse = local(segment_lengths=(length,), dilation_rates=(r,), causal=True)
-                out, lse = ring_dilated.merge([own, out], [own_lse, lse], jnp.float32)  # rounded once, below
+            spanning.append((w, r))
+    outs, lses = [], []
+    if local_branches:  # no traffic: one fused call of every branch inside the shards, merged by lse
+        out, lse = local(segment_lengths=tuple(w for w, _ in local_branches),
+                         dilation_rates=tuple(r for _, r in local_branches), causal=causal)
         outs.append(out)
         lses.append(lse)
+    for w, r in spanning:
+        # causal under an ordering: the shard's own keys need original-position causality, which
+        # the local kernel has; the ring skips them and brings the other shards' keys
+        own_apart = bool(causal) and order is not None
+        spec = AttentionSpec(scale=scale, causal=bool(causal), precision=validation.fp32_precision(q.dtype))
+        st = ring_ops.Static(axis_name, num_shards, "contiguous", "ring", spec, None, group=w // length,
+                             skip_own=own_apart)
+        rows = length // r
+        st = dataclasses.replace(st, step=_step_backend(implementation, None, st.case_specs(rows), head_dim,
+                                                        q.dtype))
+        out, lse = ring_ops.sequence_parallel_attention(st, *(ring_dilated.select(x, r, num_heads, order)
+                                                              for x in (q, k, v)))
+        out, lse = ring_dilated.scatter(out, lse, r, order)
+        if own_apart:  # the shard as one segment, causal on original positions, merged by lse
+            own, own_lse = local(segment_lengths=(length,), dilation_rates=(r,), causal=True)
+            out, lse = ring_dilated.merge([own, out], [own_lse, lse], jnp.float32)  # rounded once, below
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return (outs[0].astype(q.dtype), lses[0]) if return_lse else outs[0].astype(q.dtype)
     out, lse = ring_dilated.merge(outs, lses, q.dtype)
     return (out, lse) if return_lse else out
 

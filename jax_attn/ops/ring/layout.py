@@ -10,9 +10,10 @@ permuted array gives each shard its chunks; `from_layout` undoes it.
 
 Every pair of a query chunk and a key chunk is one of a few static cases (`pair_case`): nothing
 visible (skipped), everything visible (the engine without a mask), or partly visible (the
-engine with causality / window at the pair's static position offset). Which case a pair is depends
-on the shard (a traced `axis_index` under shard_map), so `pair_cases` lists, for one pair slot, the
-cases the P shards meet and a table shard -> case; the caller switches over those few.
+engine with causality / window at the pair's static position offset). Which pairs a shard has
+depends on the shard (a traced `axis_index` under shard_map); `visit_calls` lines the shards'
+pairs up into calls, each with the cases the P shards meet (a switch only where they differ) and
+per-shard tables of the rows it reads.
 """
 from __future__ import annotations
 
@@ -133,18 +134,50 @@ def pair_case(mask: Mask, delta: int, chunk: int):
     return delta * chunk
 
 
-def pair_cases(mask: Mask, layout: str, num_shards: int, source_of, q_slot: int, kv_slot: int, chunk: int,
-               skip_own: bool = False):
-    """For the pair (a shard's query chunk `q_slot`, key chunk `kv_slot` of shard `source_of(d)`):
-    -> (cases, table): the distinct cases over the P shards (EMPTY first when present) and, per
-    shard, the index of its case, int32 [P]. skip_own: a shard's pairs with its own keys are EMPTY
-    (the caller computes them apart)."""
-    per_shard = [EMPTY if skip_own and source_of(d) == d else
-                 pair_case(mask, chunk_of(layout, num_shards, d, q_slot)
-                           - chunk_of(layout, num_shards, source_of(d), kv_slot), chunk) for d in range(num_shards)]
-    cases = sorted(set(per_shard), key=lambda c: (c != EMPTY, c != FULL, c if isinstance(c, int) else 0))
-    table = np.array([cases.index(c) for c in per_shard], np.int32)
-    return tuple(cases), table
+def _case_key(case):
+    return (case != EMPTY, case != FULL, case if isinstance(case, int) else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One engine call of a visit, made by every shard on its own rows: the cases the shards meet
+    (EMPTY first when present) with, per shard, the index of its case, int32 [P]; the query rows
+    and key rows as each shard's first chunk, int32 [P], and a static number of chunks."""
+
+    cases: tuple
+    case_of: np.ndarray
+    q_first: np.ndarray
+    kv_first: np.ndarray
+    chunks: int = 1
+
+
+def visit_calls(mask: Mask, layout: str, num_shards: int, source_of, chunk: int,
+                skip_own: bool = False) -> tuple[Call, ...]:
+    """The engine calls of one visit (every shard's query chunks against the key chunks of shard
+    `source_of(d)`): each shard's pairs that are not EMPTY, sorted by case, the i-th pairs of all
+    shards forming call i. Where every shard meets the same case the call needs no switch, only
+    per-shard rows (zigzag: every ring step). A zigzag shard's own chunks are in increasing
+    positions, so under a plain causal mask its visit to itself is one causal call on the whole
+    shard. skip_own: a shard's pairs with its own keys are EMPTY (the caller computes them apart)."""
+    n = chunks_per_shard(layout)
+    own = all(source_of(d) == d for d in range(num_shards))
+    if own and n > 1 and mask.causal and mask.left is None and mask.right is None and not skip_own:
+        zeros = np.zeros(num_shards, np.int32)
+        return (Call((0,), zeros, zeros, zeros, n),)
+    per_shard = []
+    for d in range(num_shards):
+        pairs = [] if skip_own and source_of(d) == d else [
+            (case, m, c) for m in range(n) for c in range(n)
+            if (case := pair_case(mask, chunk_of(layout, num_shards, d, m)
+                                  - chunk_of(layout, num_shards, source_of(d), c), chunk)) != EMPTY]
+        per_shard.append(sorted(pairs, key=lambda p: (_case_key(p[0]), p[1], p[2])))
+    calls = []
+    for i in range(max(len(p) for p in per_shard)):
+        slot = [p[i] if i < len(p) else (EMPTY, 0, 0) for p in per_shard]
+        cases = tuple(sorted({s[0] for s in slot}, key=_case_key))
+        table = lambda j: np.array([s[j] for s in slot], np.int32)
+        calls.append(Call(cases, np.array([cases.index(s[0]) for s in slot], np.int32), table(1), table(2)))
+    return tuple(calls)
 
 
 def shard_to_zigzag(x, axis_name, num_shards: int, inverse: bool = False, axis: int = 1):

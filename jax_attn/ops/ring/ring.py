@@ -4,8 +4,10 @@ parallelism, forward and backward, on the one flash engine (`step.Step`).
 Every shard holds its queries and its keys/values as one or two chunks (`layout`). The attention of
 a query chunk is the online-softmax merge, in fp32, of its attention to every key chunk of the
 sequence, pair by pair: each pair is one static case (`layout.pair_case`: skipped, unmasked, or
-masked at a static position offset); the shard index is traced, so a pair slot switches
-(`lax.switch`) over the few cases the shards meet, each a static engine call.
+masked at a static position offset). A visit's pairs are lined up across the shards into engine
+calls (`layout.visit_calls`): a call reads each shard's rows at a per-shard offset (the shard index
+is traced) and switches (`lax.switch`, which costs XLA a host round trip) only where the shards'
+cases differ; the zigzag ring never does, and runs a shard's own chunks as one causal call.
 
 - ring (Liu et al., "Ring Attention with Blockwise Transformers", arXiv 2310.01889): K/V (with
   their segment ids) travel the ring with `lax.ppermute`, P steps; the next step's transfer is
@@ -74,9 +76,8 @@ class Static:
             return dataclasses.replace(self.spec, causal=False, window_left=None, window_right=None, offset=0)
         return dataclasses.replace(self.spec, offset=case)
 
-    def pair_cases(self, source_of, q_slot: int, kv_slot: int, chunk: int):
-        return lay.pair_cases(self.mask, self.layout, self.ring_size, source_of, q_slot, kv_slot, chunk,
-                              self.skip_own)
+    def visit_calls(self, source_of, chunk: int):
+        return lay.visit_calls(self.mask, self.layout, self.ring_size, source_of, chunk, self.skip_own)
 
     def sources(self):
         """Per visit: shard -> the shard whose K/V it sees (ring step t: d - t; all-gather: j);
@@ -89,16 +90,37 @@ class Static:
     def case_specs(self, shard_len: int) -> tuple[AttentionSpec, ...]:
         """The specs of every engine call the call makes (for choosing and checking the backend)."""
         chunk = shard_len // self.chunks
-        cases = {c for source in self.sources() for m in range(self.chunks) for n in range(self.chunks)
-                 for c in self.pair_cases(source, m, n, chunk)[0] if c != lay.EMPTY}
+        cases = {c for source in self.sources() for call in self.visit_calls(source, chunk) for c in call.cases
+                 if c != lay.EMPTY}
         return tuple(self.spec_for(c) for c in sorted(cases, key=str))
 
 
-def _switch(cases, table, shard, branch, operands):
-    """Run the shard's case of a pair slot: a static call where every shard has the same case."""
-    if len(cases) == 1:
-        return branch(cases[0])(*operands)
-    return lax.switch(jnp.asarray(table)[shard], [branch(c) for c in cases], *operands)
+def _switch(call: lay.Call, shard, branch, operands):
+    """Run the shard's case of a call: a static call where every shard has the same case."""
+    if len(call.cases) == 1:
+        return branch(call.cases[0])(*operands)
+    return lax.switch(jnp.asarray(call.case_of)[shard], [branch(c) for c in call.cases], *operands)
+
+
+def _of_shard(table, shard):
+    """A per-shard table's entry: a Python int where every shard has the same."""
+    return int(table[0]) if (table == table[0]).all() else jnp.asarray(table)[shard]
+
+
+def _take(x, start, count: int, axis: int = 1):
+    """Rows start .. start + count - 1 of x along `axis` (start: int or traced)."""
+    if x is None:
+        return None
+    if isinstance(start, int):
+        return lax.slice_in_dim(x, start, start + count, axis=axis)
+    return lax.dynamic_slice_in_dim(x, start, count, axis=axis)
+
+
+def _put(x, rows, start, axis: int = 1):
+    """x with rows start .. start + len - 1 along `axis` replaced by `rows`."""
+    if isinstance(start, int) and start == 0 and rows.shape[axis] == x.shape[axis]:
+        return rows
+    return lax.dynamic_update_slice_in_dim(x, rows, start, axis=axis)
 
 
 def _shard_in_ring(st: Static):
@@ -107,9 +129,7 @@ def _shard_in_ring(st: Static):
 
 
 def _chunk(x, slot: int, size: int, axis: int = 1):
-    if x is None:
-        return None
-    return lax.slice_in_dim(x, slot * size, (slot + 1) * size, axis=axis)
+    return _take(x, slot * size, size, axis)
 
 
 def _shift(tree, st: Static):
@@ -138,13 +158,17 @@ def _visits(st: Static, k, v, kv_seg):
         kv = following
 
 
+def _call_rows(call: lay.Call, shard, size: int):
+    """(first query row, first key row, rows) of a call on this shard."""
+    return _of_shard(call.q_first, shard) * size, _of_shard(call.kv_first, shard) * size, call.chunks * size
+
+
 def _forward(st: Static, q, k, v, q_seg, kv_seg):
     """-> out [B, L, Hq, D], lse, m2, inv_l [B, Hq, L] (merged over the whole sequence)."""
     batch, length, num_heads, head_dim = q.shape
-    n, size = st.chunks, q.shape[1] // st.chunks
+    size = length // st.chunks
     shard = _shard_in_ring(st)
-    wide = wide_float(q.dtype)
-    accs = [empty_accumulator(batch, size, num_heads, head_dim, wide) for _ in range(n)]
+    acc = empty_accumulator(batch, length, num_heads, head_dim, wide_float(q.dtype))
 
     def branch(case):
         def run(acc, q, k, v, q_seg, kv_seg):
@@ -154,27 +178,23 @@ def _forward(st: Static, q, k, v, q_seg, kv_seg):
         return run
 
     for source, (k_, v_, kv_seg_) in _visits(st, k, v, kv_seg):
-        for m in range(n):
-            for c in range(n):
-                cases, table = st.pair_cases(source, m, c, size)
-                if cases == (lay.EMPTY,):
-                    continue
-                accs[m] = _switch(cases, table, shard, branch,
-                                  (accs[m], _chunk(q, m, size), _chunk(k_, c, size), _chunk(v_, c, size),
-                                   _chunk(q_seg, m, size), _chunk(kv_seg_, c, size)))
-    parts = [finish(acc, q.dtype) for acc in accs]
-    out = jnp.concatenate([p[0] for p in parts], axis=1)
-    return (out, *(jnp.concatenate([p[i] for p in parts], axis=2) for i in (1, 2, 3)))
+        for call in st.visit_calls(source, size):
+            qa, ka, rows = _call_rows(call, shard, size)
+            part = (_take(acc[0], qa, rows), *(_take(x, qa, rows, axis=2) for x in acc[1:]))
+            part = _switch(call, shard, branch, (part, _take(q, qa, rows), _take(k_, ka, rows), _take(v_, ka, rows),
+                                                 _take(q_seg, qa, rows), _take(kv_seg_, ka, rows)))
+            acc = (_put(acc[0], part[0], qa), *(_put(x, y, qa, axis=2) for x, y in zip(acc[1:], part[1:])))
+    return finish(acc, q.dtype)
 
 
 def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
-    n, size = st.chunks, q.shape[1] // st.chunks
+    size = q.shape[1] // st.chunks
     shard = _shard_in_ring(st)
     wide = wide_float(q.dtype)
     delta = delta_of(out, do, dlse)
     do = do.astype(q.dtype)
-    dq = [jnp.zeros((q.shape[0], size, *q.shape[2:]), wide) for _ in range(n)]
-    kv_zeros = lambda: [jnp.zeros((k.shape[0], size, *k.shape[2:]), wide) for _ in range(n)]
+    dq = jnp.zeros(q.shape, wide)
+    kv_zeros = lambda: jnp.zeros(k.shape, wide)
 
     def branch(case):
         def run(grads, q, k, v, q_seg, kv_seg, do, m2, inv_l, delta):
@@ -184,27 +204,24 @@ def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
             return tuple(g + s for g, s in zip(grads, step))
         return run
 
-    def visit(source, kv, dk, dv):
+    def visit(source, kv, dq, dk, dv):
         k_, v_, kv_seg_ = kv
-        for m in range(n):
-            rows = (_chunk(q, m, size), _chunk(do, m, size), *(_chunk(x, m, size, axis=2) for x in (m2, inv_l, delta)))
-            for c in range(n):
-                cases, table = st.pair_cases(source, m, c, size)
-                if cases == (lay.EMPTY,):
-                    continue
-                q_m, do_m, m2_m, inv_l_m, delta_m = rows
-                dq[m], dk[c], dv[c] = _switch(
-                    cases, table, shard, branch,
-                    ((dq[m], dk[c], dv[c]), q_m, _chunk(k_, c, size), _chunk(v_, c, size), _chunk(q_seg, m, size),
-                     _chunk(kv_seg_, c, size), do_m, m2_m, inv_l_m, delta_m))
+        for call in st.visit_calls(source, size):
+            qa, ka, rows = _call_rows(call, shard, size)
+            q_rows = lambda x, axis=1: _take(x, qa, rows, axis)
+            kv_rows = lambda x: _take(x, ka, rows)
+            grads = _switch(call, shard, branch,
+                            ((q_rows(dq), kv_rows(dk), kv_rows(dv)), q_rows(q), kv_rows(k_), kv_rows(v_), q_rows(q_seg),
+                             kv_rows(kv_seg_), q_rows(do), *(q_rows(x, 2) for x in (m2, inv_l, delta))))
+            dq, dk, dv = _put(dq, grads[0], qa), _put(dk, grads[1], ka), _put(dv, grads[2], ka)
+        return dq, dk, dv
 
     if st.strategy == "all_gather":  # K/V gathered again rather than kept from the forward (memory)
         dk_all, dv_all = [], []
         for source, kv in _visits(st, k, v, kv_seg):
-            dk, dv = kv_zeros(), kv_zeros()
-            visit(source, kv, dk, dv)
-            dk_all += dk
-            dv_all += dv
+            dq, dk, dv = visit(source, kv, dq, kv_zeros(), kv_zeros())
+            dk_all.append(dk)
+            dv_all.append(dv)
         # each shard's gradient of every key: summed over the shards and scattered to the owners
         scatter = lambda parts: lax.psum_scatter(jnp.concatenate(parts, axis=1), st.axis_name,
                                                  scatter_dimension=1, tiled=True)
@@ -214,13 +231,12 @@ def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
         for source, kv in _visits(st, k, v, kv_seg):
             # this step's dK/dV apart from the arriving accumulators, so that their transfer
             # overlaps the step's work; added just before they move on
-            dk, dv = kv_zeros(), kv_zeros()
-            visit(source, kv, dk, dv)
+            dq, dk, dv = visit(source, kv, dq, kv_zeros(), kv_zeros())
             if dkv is not None:
-                dk, dv = [a + b for a, b in zip(dkv[0], dk)], [a + b for a, b in zip(dkv[1], dv)]
+                dk, dv = dkv[0] + dk, dkv[1] + dv
             dkv = _shift((dk, dv), st)  # with their K/V; after the last step, home
-        dk, dv = (jnp.concatenate(x, axis=1) for x in dkv)
-    return jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        dk, dv = dkv
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
