@@ -151,26 +151,25 @@ class Call:
     chunks: int = 1
 
 
-def visit_calls(mask: Mask, layout: str, num_shards: int, q_of, kv_of, chunk: int,
+def visit_calls(mask: Mask, layout: str, num_shards: int, source_of, chunk: int,
                 skip_own: bool = False) -> tuple[Call, ...]:
-    """The engine calls of one visit (on shard d, the query chunks of shard `q_of(d)` against the
-    key chunks of shard `kv_of(d)`; one of them is d): each shard's pairs that are not EMPTY,
-    sorted by case, the i-th pairs of all shards forming call i. Where every shard meets the same
-    case the call needs no switch, only per-shard rows (zigzag: every ring step). A zigzag shard's
-    own chunks are in increasing positions, so under a plain causal mask its visit to itself is one
-    causal call on the whole shard. skip_own: pairs of a shard's queries with its own keys are
-    EMPTY (the caller computes them apart)."""
+    """The engine calls of one visit (every shard's query chunks against the key chunks of shard
+    `source_of(d)`): each shard's pairs that are not EMPTY, sorted by case, the i-th pairs of all
+    shards forming call i. Where every shard meets the same case the call needs no switch, only
+    per-shard rows (zigzag: every ring step). A zigzag shard's own chunks are in increasing
+    positions, so under a plain causal mask its visit to itself is one causal call on the whole
+    shard. skip_own: a shard's pairs with its own keys are EMPTY (the caller computes them apart)."""
     n = chunks_per_shard(layout)
-    own = all(q_of(d) == kv_of(d) for d in range(num_shards))
+    own = all(source_of(d) == d for d in range(num_shards))
     if own and n > 1 and mask.causal and mask.left is None and mask.right is None and not skip_own:
         zeros = np.zeros(num_shards, np.int32)
         return (Call((0,), zeros, zeros, zeros, n),)
     per_shard = []
     for d in range(num_shards):
-        pairs = [] if skip_own and q_of(d) == kv_of(d) else [
+        pairs = [] if skip_own and source_of(d) == d else [
             (case, m, c) for m in range(n) for c in range(n)
-            if (case := pair_case(mask, chunk_of(layout, num_shards, q_of(d), m)
-                                  - chunk_of(layout, num_shards, kv_of(d), c), chunk)) != EMPTY]
+            if (case := pair_case(mask, chunk_of(layout, num_shards, d, m)
+                                  - chunk_of(layout, num_shards, source_of(d), c), chunk)) != EMPTY]
         per_shard.append(sorted(pairs, key=lambda p: (_case_key(p[0]), p[1], p[2])))
     calls = []
     for i in range(max(len(p) for p in per_shard)):

@@ -16,10 +16,9 @@ cases differ; the zigzag ring never does, and runs a shard's own chunks as one c
   reduce-scatters dK/dV (`lax.psum_scatter`).
 
 The merged output is one softmax over all the keys, so the backward (a `custom_vjp`) runs every
-pair's backward at the merged statistics (m2, inv_l, delta), as ring-flash-attention does. The
-ring moves whichever side is fewer bytes: without GQA the queries' side (q, dO, statistics) with
-fp32 dQ accumulators, dK/dV accumulating locally; under GQA the keys' side (K/V with fp32 dK/dV
-accumulators), dQ accumulating locally; the accumulators come home after the last step. Every sum runs in a fixed order: deterministic. Design: docs/design/ring.md.
+pair's backward at the merged statistics (m2, inv_l, delta), as ring-flash-attention does: dQ
+accumulates locally, dK/dV accumulators travel the ring with their K/V (fp32) and come home after
+the last step. Every sum runs in a fixed order: deterministic. Design: docs/design/ring.md.
 """
 from __future__ import annotations
 
@@ -77,12 +76,8 @@ class Static:
             return dataclasses.replace(self.spec, causal=False, window_left=None, window_right=None, offset=0)
         return dataclasses.replace(self.spec, offset=case)
 
-    def visit_calls(self, source_of, chunk: int, queries_travel: bool = False):
-        """The engine calls of a visit: a shard's queries against the visiting keys, or (the
-        backward with `queries_travel`) the visiting queries against the shard's keys."""
-        own = lambda d: d
-        q_of, kv_of = (source_of, own) if queries_travel else (own, source_of)
-        return lay.visit_calls(self.mask, self.layout, self.ring_size, q_of, kv_of, chunk, self.skip_own)
+    def visit_calls(self, source_of, chunk: int):
+        return lay.visit_calls(self.mask, self.layout, self.ring_size, source_of, chunk, self.skip_own)
 
     def sources(self):
         """Per visit: shard -> the shard whose K/V it sees (ring step t: d - t; all-gather: j);
@@ -95,8 +90,8 @@ class Static:
     def case_specs(self, shard_len: int) -> tuple[AttentionSpec, ...]:
         """The specs of every engine call the call makes (for choosing and checking the backend)."""
         chunk = shard_len // self.chunks
-        cases = {c for source in self.sources() for travel in (False, True)
-                 for call in self.visit_calls(source, chunk, travel) for c in call.cases if c != lay.EMPTY}
+        cases = {c for source in self.sources() for call in self.visit_calls(source, chunk) for c in call.cases
+                 if c != lay.EMPTY}
         return tuple(self.spec_for(c) for c in sorted(cases, key=str))
 
 
@@ -156,15 +151,11 @@ def _visits(st: Static, k, v, kv_seg):
         for j, source in enumerate(st.sources()):
             yield source, tuple(_chunk(x, j, length) for x in gathered)
         return
-    yield from _ring_visits(st, (k, v, kv_seg))
-
-
-def _ring_visits(st: Static, tree):
-    """(source_of, `tree` of that source) per ring step, the next transfer issued first."""
+    kv = (k, v, kv_seg)
     for t, source in enumerate(st.sources()):
-        following = _shift(tree, st) if t + 1 < st.ring_size else None  # issued before this step's work
-        yield source, tree
-        tree = following
+        following = _shift(kv, st) if t + 1 < st.ring_size else None  # issued before this step's work
+        yield source, kv
+        kv = following
 
 
 def _call_rows(call: lay.Call, shard, size: int):
@@ -196,24 +187,14 @@ def _forward(st: Static, q, k, v, q_seg, kv_seg):
     return finish(acc, q.dtype)
 
 
-def _queries_travel(st: Static, q, k) -> bool:
-    """Whether the ring backward moves the queries' side (q, dO, three fp32 row statistics and
-    the fp32 dQ accumulators) rather than the keys' (k, v and the fp32 dK, dV): the fewer bytes a
-    step (the queries without GQA, a third less in bf16; the keys under GQA)."""
-    if st.strategy != "ring":
-        return False
-    wide = jnp.dtype(wide_float(q.dtype)).itemsize
-    q_bytes = q.size * (2 * q.dtype.itemsize + wide) + 3 * wide * q.size // q.shape[3]
-    return q_bytes < k.size * 2 * (k.dtype.itemsize + wide)
-
-
 def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
     size = q.shape[1] // st.chunks
     shard = _shard_in_ring(st)
     wide = wide_float(q.dtype)
     delta = delta_of(out, do, dlse)
     do = do.astype(q.dtype)
-    q_zeros, kv_zeros = (lambda: jnp.zeros(q.shape, wide)), (lambda: jnp.zeros(k.shape, wide))
+    dq = jnp.zeros(q.shape, wide)
+    kv_zeros = lambda: jnp.zeros(k.shape, wide)
 
     def branch(case):
         def run(grads, q, k, v, q_seg, kv_seg, do, m2, inv_l, delta):
@@ -223,49 +204,38 @@ def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
             return tuple(g + s for g, s in zip(grads, step))
         return run
 
-    def visit(calls, queries, keys, dq, dk, dv):
-        """Every call of a visit on (queries: q, dO, m2, inv_l, delta, q_seg) x (keys: k, v,
-        kv_seg), accumulated into dq (the queries') and dk, dv (the keys')."""
-        q_, do_, m2_, inv_l_, delta_, q_seg_ = queries
-        k_, v_, kv_seg_ = keys
-        for call in calls:
+    def visit(source, kv, dq, dk, dv):
+        k_, v_, kv_seg_ = kv
+        for call in st.visit_calls(source, size):
             qa, ka, rows = _call_rows(call, shard, size)
             q_rows = lambda x, axis=1: _take(x, qa, rows, axis)
             kv_rows = lambda x: _take(x, ka, rows)
             grads = _switch(call, shard, branch,
-                            ((q_rows(dq), kv_rows(dk), kv_rows(dv)), q_rows(q_), kv_rows(k_), kv_rows(v_), q_rows(q_seg_),
-                             kv_rows(kv_seg_), q_rows(do_), *(q_rows(x, 2) for x in (m2_, inv_l_, delta_))))
+                            ((q_rows(dq), kv_rows(dk), kv_rows(dv)), q_rows(q), kv_rows(k_), kv_rows(v_), q_rows(q_seg),
+                             kv_rows(kv_seg_), q_rows(do), *(q_rows(x, 2) for x in (m2, inv_l, delta))))
             dq, dk, dv = _put(dq, grads[0], qa), _put(dk, grads[1], ka), _put(dv, grads[2], ka)
         return dq, dk, dv
 
-    queries = (q, do, m2, inv_l, delta, q_seg)
     if st.strategy == "all_gather":  # K/V gathered again rather than kept from the forward (memory)
-        dq, dk_all, dv_all = q_zeros(), [], []
-        for source, keys in _visits(st, k, v, kv_seg):
-            dq, dk, dv = visit(st.visit_calls(source, size), queries, keys, dq, kv_zeros(), kv_zeros())
+        dk_all, dv_all = [], []
+        for source, kv in _visits(st, k, v, kv_seg):
+            dq, dk, dv = visit(source, kv, dq, kv_zeros(), kv_zeros())
             dk_all.append(dk)
             dv_all.append(dv)
         # each shard's gradient of every key: summed over the shards and scattered to the owners
         scatter = lambda parts: lax.psum_scatter(jnp.concatenate(parts, axis=1), st.axis_name,
                                                  scatter_dimension=1, tiled=True)
         dk, dv = scatter(dk_all), scatter(dv_all)
-    elif _queries_travel(st, q, k):  # the queries' side travels, its dQ accumulators with it
-        dk, dv, moving = kv_zeros(), kv_zeros(), None
-        for source, visiting in _ring_visits(st, queries):
-            dq, dk, dv = visit(st.visit_calls(source, size, queries_travel=True), visiting, (k, v, kv_seg),
-                               q_zeros(), dk, dv)
-            if moving is not None:  # this step's dQ apart from the arriving one: the transfer overlaps
-                dq = moving + dq
-            moving = _shift(dq, st)  # with its queries; after the last step, home
-        dq = moving
-    else:  # the keys travel, their dK/dV accumulators with them
-        dq, moving = q_zeros(), None
-        for source, keys in _ring_visits(st, (k, v, kv_seg)):
-            dq, dk, dv = visit(st.visit_calls(source, size), queries, keys, dq, kv_zeros(), kv_zeros())
-            if moving is not None:
-                dk, dv = moving[0] + dk, moving[1] + dv
-            moving = _shift((dk, dv), st)
-        dk, dv = moving
+    else:
+        dkv = None
+        for source, kv in _visits(st, k, v, kv_seg):
+            # this step's dK/dV apart from the arriving accumulators, so that their transfer
+            # overlaps the step's work; added just before they move on
+            dq, dk, dv = visit(source, kv, dq, kv_zeros(), kv_zeros())
+            if dkv is not None:
+                dk, dv = dkv[0] + dk, dkv[1] + dv
+            dkv = _shift((dk, dv), st)  # with their K/V; after the last step, home
+        dk, dv = dkv
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
