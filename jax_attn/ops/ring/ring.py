@@ -128,10 +128,6 @@ def _shard_in_ring(st: Static):
     return shard % st.ring_size if st.ring_size != st.num_shards else shard
 
 
-def _chunk(x, slot: int, size: int, axis: int = 1):
-    return _take(x, slot * size, size, axis)
-
-
 def _shift(tree, st: Static):
     """Every shard sends to the next one on its ring (shard d receives shard d - 1's)."""
     g = st.ring_size
@@ -149,7 +145,7 @@ def _visits(st: Static, k, v, kv_seg):
         gathered = [_gather(x, st) for x in (k, v, kv_seg)]
         length = k.shape[1]
         for j, source in enumerate(st.sources()):
-            yield source, tuple(_chunk(x, j, length) for x in gathered)
+            yield source, tuple(_take(x, j * length, length) for x in gathered)
         return
     kv = (k, v, kv_seg)
     for t, source in enumerate(st.sources()):
