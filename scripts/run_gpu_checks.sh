@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks on a machine with an NVIDIA GPU (no network, packages preinstalled): the GPU tests,
 # the parity check and the benchmarks, logs and JSON under $OUT (default /tmp/gpu_out).
-# Usage: bash scripts/run_gpu_checks.sh [warn|tests|parity|bench|softmax|rope|sb|dilated|orderings|sweep|all]...
+# Usage: bash scripts/run_gpu_checks.sh [warn|tests|parity|bench|softmax|rope|sb|dilated|orderings|sweep|ring|ring_dilated|all]...
 #   tests    pytest -m gpu, one process per test file, in parallel (compilation is CPU-bound)
 #   parity   python -m parity.check, one process per variant, in parallel
 #   bench    benchmarks/run_all.py (every benchmark, its --quick cases: run_all's default)
 #   softmax, rope, sb, dilated, orderings, sweep   one full benchmark: benchmarks/softmax.py, rope.py,
 #            stick_breaking.py, dilated.py, orderings.py, sweep_blocks.py (extra arguments: SOFTMAX_ARGS,
 #            SB_ARGS, DILATED_ARGS, ORDERINGS_ARGS)
-#   ring     benchmarks/ring.py on every visible GPU (RING_ARGS, e.g. --quick; only when named: it
-#            wants several GPUs). The multi-GPU tests (tests/test_ring*.py -m gpu) compile S = 16k-32k
+#   ring, ring_dilated   benchmarks/ring.py / ring_dilated.py on every visible GPU (RING_ARGS, e.g.
+#            --quick; RING_DILATED_ARGS, e.g. --lengths 131072; only when named: they want several GPUs). The multi-GPU tests (tests/test_ring*.py -m gpu) compile S = 16k-32k
 #            ring programs and their one-device references: more than 4 minutes; give them a call
 #            of their own (GPU_TEST_FILES="tests/test_ring.py tests/test_ring_dilated_ordered.py").
 set -uo pipefail
@@ -67,6 +67,9 @@ if has dilated; then
 fi
 if [[ " $stages " == *" ring "* ]]; then
   timeout ${RING_TIMEOUT:-600} python3 benchmarks/ring.py --out "$OUT" ${RING_ARGS:-} 2>&1 | tee "$OUT/ring-log.txt" | tail -30
+fi
+if [[ " $stages " == *" ring_dilated "* ]]; then
+  timeout ${RING_TIMEOUT:-600} python3 benchmarks/ring_dilated.py --out "$OUT" ${RING_DILATED_ARGS:-} 2>&1 | tee "$OUT/ring-dilated-log.txt" | tail -30
 fi
 if has orderings; then
   timeout ${ORDERINGS_TIMEOUT:-600} python3 benchmarks/orderings.py --out "$OUT" ${ORDERINGS_ARGS:-} 2>&1 | tee "$OUT/orderings-log.txt" | tail -40
