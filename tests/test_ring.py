@@ -381,15 +381,16 @@ def test_transfer_issued_before_the_steps_work():
     assert text.count("ppermute[") >= 3  # (the custom_vjp prints its forward more than once)
 
 
-def test_zigzag_ring_has_no_switch():
-    """The zigzag ring's calls line up across the shards (per-shard rows, the same case), so its
-    forward and backward hold no conditional (XLA runs one with a host round trip on GPUs); a
-    shard's own chunks are one causal call."""
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_zigzag_has_no_switch(strategy):
+    """The zigzag layout's calls line up across the shards (per-shard rows, the same case), so its
+    forward and backward hold no conditional (XLA runs one with a host round trip on GPUs), ring
+    or gathered; a shard's own chunks are one causal call."""
     from jax_attn.ops.ring import layout as lay
 
     mesh, spec = _mesh(4), P(None, "sp")
     f = jax.shard_map(lambda q: jax_attn.ring_attention(q, q, q, axis_name="sp", causal=True, layout="zigzag",
-                                                        implementation="xla"),
+                                                        strategy=strategy, implementation="xla"),
                       mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
     text = str(jax.make_jaxpr(jax.grad(lambda q: f(q).sum()))(jnp.zeros((1, 64, 2, 16), jnp.float32)))
     assert "cond[" not in text and "dot_general" in text

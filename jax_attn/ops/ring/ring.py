@@ -80,12 +80,11 @@ class Static:
         return lay.visit_calls(self.mask, self.layout, self.ring_size, source_of, chunk, self.skip_own)
 
     def sources(self):
-        """Per visit: shard -> the shard whose K/V it sees (ring step t: d - t; all-gather: j);
-        shards numbered within their ring."""
+        """Per visit t: shard -> the shard whose K/V it sees, d - t (the ring's order, also for the
+        gathered K/V: every shard then meets the same cases at every visit); shards numbered within
+        their ring."""
         p = self.ring_size
-        if self.strategy == "ring":
-            return [lambda d, t=t: (d - t) % p for t in range(p)]
-        return [lambda d, j=j: j for j in range(p)]
+        return [lambda d, t=t: (d - t) % p for t in range(p)]
 
     def case_specs(self, shard_len: int) -> tuple[AttentionSpec, ...]:
         """The specs of every engine call the call makes (for choosing and checking the backend)."""
@@ -134,6 +133,11 @@ def _shift(tree, st: Static):
     return lax.ppermute(tree, st.axis_name, [(d, d - d % g + (d % g + 1) % g) for d in range(st.num_shards)])
 
 
+def _source_shard(st: Static, t: int):
+    """The (traced) shard whose K/V this shard sees at visit t."""
+    return (lax.axis_index(st.axis_name) - t) % st.num_shards
+
+
 def _gather(x, st: Static):
     return None if x is None else lax.all_gather(x, st.axis_name, axis=1, tiled=True)
 
@@ -144,8 +148,9 @@ def _visits(st: Static, k, v, kv_seg):
     if st.strategy == "all_gather":
         gathered = [_gather(x, st) for x in (k, v, kv_seg)]
         length = k.shape[1]
-        for j, source in enumerate(st.sources()):
-            yield source, tuple(_take(x, j * length, length) for x in gathered)
+        for t, source in enumerate(st.sources()):
+            first = _source_shard(st, t) * length
+            yield source, tuple(_take(x, first, length) for x in gathered)
         return
     kv = (k, v, kv_seg)
     for t, source in enumerate(st.sources()):
@@ -213,14 +218,15 @@ def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
         return dq, dk, dv
 
     if st.strategy == "all_gather":  # K/V gathered again rather than kept from the forward (memory)
-        dk_all, dv_all = [], []
-        for source, kv in _visits(st, k, v, kv_seg):
+        length = k.shape[1]
+        every = lambda: jnp.zeros((k.shape[0], length * st.num_shards, *k.shape[2:]), wide)
+        dk_all, dv_all = every(), every()
+        for t, (source, kv) in enumerate(_visits(st, k, v, kv_seg)):
             dq, dk, dv = visit(source, kv, dq, kv_zeros(), kv_zeros())
-            dk_all.append(dk)
-            dv_all.append(dv)
+            first = _source_shard(st, t) * length
+            dk_all, dv_all = (lax.dynamic_update_slice_in_dim(a, x, first, axis=1) for a, x in ((dk_all, dk), (dv_all, dv)))
         # each shard's gradient of every key: summed over the shards and scattered to the owners
-        scatter = lambda parts: lax.psum_scatter(jnp.concatenate(parts, axis=1), st.axis_name,
-                                                 scatter_dimension=1, tiled=True)
+        scatter = lambda x: lax.psum_scatter(x, st.axis_name, scatter_dimension=1, tiled=True)
         dk, dv = scatter(dk_all), scatter(dv_all)
     else:
         dkv = None
