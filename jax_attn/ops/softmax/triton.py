@@ -144,10 +144,13 @@ def _scores(q_parts, k_parts, spec, *, k_major=False):
     return t * (spec.softcap * LOG2E), t
 
 
-def _alibi(spec, slope, rows, cols):
-    """ALiBi in log2 units: -slope * |i + offset - j| * log2(e), for rows and cols broadcast."""
-    distance = rows + spec.offset - cols if spec.offset else rows - cols
-    return jnp.abs(distance).astype(jnp.float32) * (-slope * LOG2E)
+def _alibi(spec, slope, rows, cols, base):
+    """ALiBi in log2 units: -slope * |i + offset - j| * log2(e), for rows and cols broadcast. Both
+    positions are taken relative to `base`, a position of the tile, and converted to float before
+    the subtract: per element a float subtract instead of an integer abs and an int-to-float
+    conversion; exact while positions lie within 2^24 of the tile."""
+    rows = rows + spec.offset - base if spec.offset else rows - base
+    return jnp.abs(rows.astype(jnp.float32) - (cols - base).astype(jnp.float32)) * (-slope * LOG2E)
 
 
 def _mask(spec, st: _Static, s, rows, cols, q_seg, kv_seg, q_orig=None, kv_orig=None):
@@ -220,7 +223,7 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         v = v_ref[kv_at, :]
         s, _ = _scores(q, k, spec)
         if spec.alibi:
-            s = s + _alibi(spec, slope, rows[:, None], (start + jnp.arange(block_k))[None, :])
+            s = s + _alibi(spec, slope, rows[:, None], (start + jnp.arange(block_k))[None, :], start)
         if masked:
             cols = start + jnp.arange(block_k)
             kv_seg = kv_info.get("seg", tile)
@@ -364,7 +367,7 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
         s, t = _scores((q,), (k,), spec, k_major=True)  # [block_k, block_q]
         if spec.alibi:
             slope = slopes_ref[first_head + g]
-            s = s + _alibi(spec, slope, (start + jnp.arange(block_q))[None, :], cols)
+            s = s + _alibi(spec, slope, (start + jnp.arange(block_q))[None, :], cols, start)
         if masked:
             rows = (start + jnp.arange(block_q))[None, :]
             q_seg = q_info.get("seg", tile)
@@ -435,7 +438,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
         v = v_ref[kv_at, :]
         s, t = _scores((q,), (k,), spec)
         if spec.alibi:
-            s = s + _alibi(spec, slope, rows, (start + jnp.arange(block_k))[None, :])
+            s = s + _alibi(spec, slope, rows, (start + jnp.arange(block_k))[None, :], start)
         if masked:
             cols = (start + jnp.arange(block_k))[None, :]
             kv_seg = kv_info.get("seg", tile)
