@@ -152,6 +152,10 @@ def main(argv=None) -> int:
         failed = sorted({r["impl"] for r in case_rows if not r["ok"]})
         verdict = "ok" if not failed else "FAIL: " + ", ".join(failed)
         print(f"  {case.name}: {verdict} ({time.time() - t:.1f}s)", file=sys.stderr, flush=True)
+        for r in case_rows:  # now, not only in the final table: a run cut short still says what failed
+            if not r["ok"]:
+                print(f"    {r['impl']} {r['quantity']}: {r['error']:.3e}, {r['ratio']:.3f}x the allowed error "
+                      f"{r.get('reason', '')}", file=sys.stderr, flush=True)
     ok = _report(rows, {c.name: c.variant for c in all_cases}, time.time() - start, env)
     if args.json:
         with open(args.json, "w") as f:
