@@ -133,11 +133,6 @@ def _shift(tree, st: Static):
     return lax.ppermute(tree, st.axis_name, [(d, d - d % g + (d % g + 1) % g) for d in range(st.num_shards)])
 
 
-def _source_shard(st: Static, t: int):
-    """The (traced) shard whose K/V this shard sees at visit t."""
-    return (lax.axis_index(st.axis_name) - t) % st.num_shards
-
-
 def _gather(x, st: Static):
     return None if x is None else lax.all_gather(x, st.axis_name, axis=1, tiled=True)
 
@@ -147,10 +142,9 @@ def _visits(st: Static, k, v, kv_seg):
     before the caller works on the current visit (a generator: the caller's work comes between)."""
     if st.strategy == "all_gather":
         gathered = [_gather(x, st) for x in (k, v, kv_seg)]
-        length = k.shape[1]
-        for t, source in enumerate(st.sources()):
-            first = _source_shard(st, t) * length
-            yield source, tuple(_take(x, first, length) for x in gathered)
+        length, shard = k.shape[1], _shard_in_ring(st)
+        for source in st.sources():
+            yield source, tuple(_take(x, source(shard) * length, length) for x in gathered)
         return
     kv = (k, v, kv_seg)
     for t, source in enumerate(st.sources()):
@@ -221,10 +215,9 @@ def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
         length = k.shape[1]
         every = lambda: jnp.zeros((k.shape[0], length * st.num_shards, *k.shape[2:]), wide)
         dk_all, dv_all = every(), every()
-        for t, (source, kv) in enumerate(_visits(st, k, v, kv_seg)):
+        for source, kv in _visits(st, k, v, kv_seg):
             dq, dk, dv = visit(source, kv, dq, kv_zeros(), kv_zeros())
-            first = _source_shard(st, t) * length
-            dk_all, dv_all = (lax.dynamic_update_slice_in_dim(a, x, first, axis=1) for a, x in ((dk_all, dk), (dv_all, dv)))
+            dk_all, dv_all = _put(dk_all, dk, source(shard) * length), _put(dv_all, dv, source(shard) * length)
         # each shard's gradient of every key: summed over the shards and scattered to the owners
         scatter = lambda x: lax.psum_scatter(x, st.axis_name, scatter_dimension=1, tiled=True)
         dk, dv = scatter(dk_all), scatter(dv_all)
