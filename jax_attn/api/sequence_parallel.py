@@ -61,8 +61,9 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, segment_ids=None
         `from_zigzag`) before sharding it contiguously. "contiguous": shard d holds rows
         d L .. (d + 1) L - 1.
       strategy: "ring" (K/V travel the ring, P steps of `lax.ppermute` overlapped with the work;
-        the backward sends dK/dV around with them) or "all_gather" (K/V all-gathered once, dK/dV
-        reduce-scattered).
+        the backward sends dK/dV around with them) or "all_gather" (K/V all-gathered once, the
+        gather overlapping the shard's own step; the backward gathers them again and sends dK/dV
+        around the ring as "ring" does: 4x the K/V memory, fewer transfers).
       causal, window, softcap, scale: as `flash_attention`, on GLOBAL positions (the layout's).
       segment_ids: this shard's ids, int [B, L] (queries and keys) or a pair (q_ids, kv_ids).
       rope, positions: RoPE at global positions: this shard's positions int [B, L] or a pair;

@@ -12,12 +12,14 @@ cases differ; the zigzag ring never does, and runs a shard's own chunks as one c
 - ring (Liu et al., "Ring Attention with Blockwise Transformers", arXiv 2310.01889): K/V (with
   their segment ids) travel the ring with `lax.ppermute`, P steps; the next step's transfer is
   issued before the current step's work so that XLA overlaps them.
-- all_gather (Llama 3's context parallelism, kvax): K/V are all-gathered once; the backward
-  reduce-scatters dK/dV (`lax.psum_scatter`).
+- all_gather (Llama 3's context parallelism, kvax): K/V are all-gathered once (in the backward
+  again), the gather overlapping the first visit (the shard's own K/V).
 
 The merged output is one softmax over all the keys, so the backward (a `custom_vjp`) runs every
 pair's backward at the merged statistics (m2, inv_l, delta), as ring-flash-attention does: dQ
-accumulates locally, dK/dV accumulators travel the ring with their K/V (fp32) and come home after
+accumulates locally, dK/dV accumulators (fp32) travel the ring, one step behind the keys they
+belong to (under all_gather too: each transfer overlaps a step's work, where a reduce-scatter of
+every shard's gradients of the whole sequence would follow the last step), and come home after
 the last step. Every sum runs in a fixed order: deterministic. Design: docs/design/ring.md.
 """
 from __future__ import annotations
@@ -143,8 +145,10 @@ def _visits(st: Static, k, v, kv_seg):
     if st.strategy == "all_gather":
         gathered = [_gather(x, st) for x in (k, v, kv_seg)]
         length, shard = k.shape[1], _shard_in_ring(st)
-        for source in st.sources():
-            yield source, tuple(_take(x, source(shard) * length, length) for x in gathered)
+        for t, source in enumerate(st.sources()):
+            # the first visit is the shard's own K/V: it waits for no gather, which overlaps it
+            yield source, ((k, v, kv_seg) if t == 0 else
+                           tuple(_take(x, source(shard) * length, length) for x in gathered))
         return
     kv = (k, v, kv_seg)
     for t, source in enumerate(st.sources()):
@@ -211,26 +215,16 @@ def _backward(st: Static, q, k, v, q_seg, kv_seg, out, m2, inv_l, do, dlse):
             dq, dk, dv = _put(dq, grads[0], qa), _put(dk, grads[1], ka), _put(dv, grads[2], ka)
         return dq, dk, dv
 
-    if st.strategy == "all_gather":  # K/V gathered again rather than kept from the forward (memory)
-        length = k.shape[1]
-        every = lambda: jnp.zeros((k.shape[0], length * st.num_shards, *k.shape[2:]), wide)
-        dk_all, dv_all = every(), every()
-        for source, kv in _visits(st, k, v, kv_seg):
-            dq, dk, dv = visit(source, kv, dq, kv_zeros(), kv_zeros())
-            dk_all, dv_all = _put(dk_all, dk, source(shard) * length), _put(dv_all, dv, source(shard) * length)
-        # each shard's gradient of every key: summed over the shards and scattered to the owners
-        scatter = lambda x: lax.psum_scatter(x, st.axis_name, scatter_dimension=1, tiled=True)
-        dk, dv = scatter(dk_all), scatter(dv_all)
-    else:
-        dkv = None
-        for source, kv in _visits(st, k, v, kv_seg):
-            # this step's dK/dV apart from the arriving accumulators, so that their transfer
-            # overlaps the step's work; added just before they move on
-            dq, dk, dv = visit(source, kv, dq, kv_zeros(), kv_zeros())
-            if dkv is not None:
-                dk, dv = dkv[0] + dk, dkv[1] + dv
-            dkv = _shift((dk, dv), st)  # with their K/V; after the last step, home
-        dk, dv = dkv
+    # K/V gathered again under all_gather rather than kept from the forward (memory)
+    dkv = None
+    for source, kv in _visits(st, k, v, kv_seg):
+        # this step's dK/dV apart from the arriving accumulators, so that their transfer
+        # overlaps the step's work; added just before they move on
+        dq, dk, dv = visit(source, kv, dq, kv_zeros(), kv_zeros())
+        if dkv is not None:
+            dk, dv = dkv[0] + dk, dkv[1] + dv
+        dkv = _shift((dk, dv), st)  # to the shard that visits these keys next; after the last step, home
+    dk, dv = dkv
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
