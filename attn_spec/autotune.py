@@ -37,7 +37,7 @@ FORMAT_VERSION = 1
 ENV_VAR = "JAX_ATTN_CACHE"
 
 __all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "backend_rows", "branches_flag",
-           "cache_key", "call_key", "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup",
+           "SHIPPED", "cache_key", "call_key", "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup",
            "probe", "record_of", "select", "shape_class", "store", "time_row", "using_path"]
 
 
@@ -51,6 +51,11 @@ def default_path() -> Path:
         return Path(os.environ[ENV_VAR]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "jax_attn" / "autotune.json"
+
+
+# Entries measured on the GPUs named in their keys and shipped with the package: read after the
+# user's cache, which overrides them key by key (benchmarks/autotune.py writes them).
+SHIPPED = Path(__file__).with_name("autotune_defaults.json")
 
 
 def _path(path) -> Path:
@@ -280,23 +285,26 @@ def using_path(path):
 
 def select(registry, variant: str, implementation, config, call, key: Callable[[], str], path=None):
     """(entry, config) of a call: `registry.resolve` and `registry.check_config`, except that with
-    config=None an entry of the cache for `key()` is read: implementation=None takes the entry's
-    implementation and its config, an explicit implementation takes its own tuned config if the
-    entry has one. No file, no entry, or a config given: exactly the registry's choice."""
+    config=None an entry for `key()` is read, from the cache file, else from the shipped defaults:
+    implementation=None takes the entry's implementation and its config, an explicit implementation
+    takes its own tuned config if the entry has one. No entry, or a config given: exactly the
+    registry's choice."""
     p = _PROBE.get()
     if p is not None and p.key is None:
         p.registry, p.variant, p.call, p.key = registry, variant, call, key()
         if p.stop:
             raise ProbeStop
     path = path if path is not None else _PATH.get()
-    record = None
-    if config is None and path != DISABLED and (entries := load(path)):  # no file: the key is not even built
-        key = key()
-        record = entries.get(key)
-    if record is not None:
-        chosen = _from_record(registry, variant, implementation, call, record, key, path)
-        if chosen is not None:
-            return chosen
+    if config is None and path != DISABLED:
+        built = None
+        for source in (path, SHIPPED):  # the user's cache first, then the shipped entries
+            if entries := load(source):  # no file: the key is not even built
+                built = built or key()
+                if (record := entries.get(built)) is not None:
+                    chosen = _from_record(registry, variant, implementation, call, record, built, source)
+                    if chosen is not None:
+                        return chosen
+                    break  # the user's entry, unusable here (warned): the registry's choice
     entry = registry.resolve(variant, implementation, call)
     return entry, registry.check_config(entry, config, call)
 

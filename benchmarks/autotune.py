@@ -42,10 +42,14 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--torch", action="store_true", help="also tune and benchmark torch_ref")
+    ap.add_argument("--shapes", default=None,
+                    help="semicolon-separated B,S,Hq,D,Hkv shapes instead of the anchors' (e.g. '1,32768,16,128,16')")
     args = ap.parse_args()
     os.environ["JAX_ATTN_CACHE"] = args.cache  # benchmark_backends reads the configs just tuned
     results = []
-    for b, s, hq, d, hkv in CASES[:1] if args.quick else CASES:
+    cases = ([tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")] if args.shapes
+             else CASES[:1] if args.quick else CASES)
+    for b, s, hq, d, hkv in cases:
         for causal in (False, True):
             keys = jax.random.split(jax.random.key(0), 3)
             q = jax.random.normal(keys[0], (b, s, hq, d), jnp.bfloat16)

@@ -191,6 +191,42 @@ def test_jax_no_entry_leaves_the_choice(tmp_path, monkeypatch, jax_kernel_config
     assert jax_kernel_config == [default, default]
 
 
+def test_shipped_entries_are_well_formed():
+    """The defaults in the package: the cache format, GPU device kinds, configs their classes accept."""
+    from jax_attn.ops.softmax.mosaic import MosaicBlockSizes
+    entries = tuning.load(tuning.SHIPPED)
+    assert entries
+    types = {"BlockSizes": BlockSizes, "MosaicBlockSizes": MosaicBlockSizes}
+    for key, record in entries.items():
+        framework, device, variant = key.split("|")[:3]
+        assert framework in ("jax", "torch") and device.startswith("NVIDIA") and variant == "softmax", key
+        assert record["implementation"] in record["configs"], key
+        for stored in record["configs"].values():
+            if stored is not None:
+                assert isinstance(tuning.config_from_json(stored, types[stored["type"]]), types[stored["type"]])
+
+
+def test_jax_shipped_entry_read_after_the_cache(tmp_path, monkeypatch, jax_kernel_config):
+    shipped, user = tmp_path / "shipped.json", tmp_path / "user.json"
+    monkeypatch.setattr(tuning, "SHIPPED", shipped)
+    monkeypatch.setenv(tuning.ENV_VAR, str(user))
+    q, k, v = _jax_qkv()
+    key = _key(jax_attn.flash_attention, (q, k, v), user, causal=True)
+    tuning.store(key, _entry("triton", {"triton": DISTINCT, "xla": None}), shipped)
+    with pytest.raises(_Seen):  # no user file: the shipped entry
+        jax_attn.flash_attention(q, k, v, causal=True)
+    tuning.store("jax|other|softmax|x|float32|", _entry("xla", {"xla": None}), user)
+    with pytest.raises(_Seen):  # a user file without this key: still the shipped entry
+        jax_attn.flash_attention(q, k, v, causal=True)
+    assert jax_kernel_config == [DISTINCT, DISTINCT]
+    tuning.store(key, _entry("triton", {"triton": BlockSizes(), "xla": None}), user)
+    with pytest.raises(_Seen):  # the user's entry for the key overrides the shipped one
+        jax_attn.flash_attention(q, k, v, causal=True)
+    with tuning.using_path(tuning.DISABLED), pytest.raises(_Seen):  # no cache at all: the heuristic
+        jax_attn.flash_attention(q, k, v, causal=True)
+    assert jax_kernel_config[2:] == [BlockSizes(), jax_attn.default_block_sizes(D, True, jnp.float32)]
+
+
 def test_jax_invalid_entries(tmp_path, monkeypatch, jax_kernel_config):
     path = tmp_path / "c.json"
     monkeypatch.setenv(tuning.ENV_VAR, str(path))
