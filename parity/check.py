@@ -16,11 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 
-import numpy as np
+# The naive reference is the plain one in the compute dtype. XLA's GPU compiler drops f32 -> bf16 -> f32
+# round trips by default (excess precision), which torch eager and XLA on the CPU keep: set before
+# the first JAX computation, so that JAX's plain reference rounds where it is written to.
+if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false".strip()
+
+import numpy as np  # noqa: E402
 
 from parity import variants  # noqa: E402  (imports torch first: the Triton interpreter on CPU)
 from parity.variants import BY_NAME, FRAMEWORKS, RECORDS, REFERENCE  # noqa: E402

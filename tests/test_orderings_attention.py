@@ -45,6 +45,9 @@ FLASH_CASES = [
     _case("ord_zorder_window_sorted_ids_fp16", (2, 33, 33, 2, 1, 16), "float16", ordering="zorder", window=(4, 2),
           segments="sorted", stat_grad=True, seed=0),
     _case("ord_snake_window_odd_mqa_d40", (1, 31, 31, 4, 1, 40), ordering="snake", window=(3, 6), seed=0),
+    # RoPE at each token's own position (rotated before the gathering kernels)
+    _case("ord_hilbert_window_rope_restart_causal", (1, 42, 42, 4, 2, 32), ordering="hilbert", grid=(6, 7),
+          window=(5, 5), causal=True, rope=("interleaved", 500.0), positions="restart_halfway", seed=0),
     _case("ord_gray_causal_window_packed", (2, 37, 37, 2, 2, 16), ordering="gray", window=(8, 0), causal=True,
           segments="packed", seed=0, slow=True),
     _case("ord_bit_reversal_causal_window_fp16_d64", (1, 29, 29, 2, 2, 64), "float16", ordering="bit_reversal",
@@ -313,9 +316,29 @@ def test_ordering_needs_self_attention_and_refuses_positions(framework):
     f = _fn(framework, "flash")
     with pytest.raises(ValueError, match="Sq == Sk"):
         f(q[:, :20], k, v, window=(2, 2), ordering="hilbert")
-    with pytest.raises(NotImplementedError, match="does not combine with rope"):
-        rope = (jax_attn if framework == "jax" else torch_ref).Rope()
-        f(q, k, v, window=(2, 2), ordering="hilbert", rope=rope)
+    with pytest.raises(NotImplementedError, match="does not combine with alibi_slopes"):
+        slopes = np.array([0.5, 0.25], np.float32)
+        f(q, k, v, window=(2, 2), ordering="hilbert",
+          alibi_slopes=jnp.asarray(slopes) if framework == "jax" else torch.tensor(slopes))
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_ordered_rope_rotates_at_the_original_positions(framework):
+    """RoPE under an ordering: token t keeps its own position (given or arange), whatever its place
+    in the ordered sequence. A window wider than the sequence keeps the ordering (the kernels
+    gather) yet leaves every key visible, so the call must equal unordered attention with RoPE
+    rotated inside the kernels; with a narrow window the ordering takes effect."""
+    lib = jax_attn if framework == "jax" else torch_ref
+    q, k, v = _inputs(framework, (1, 30, 4, 2, 32))
+    pos = np.arange(30)[None] * 3 + 7  # positions of their own: not the row indices
+    pos = jnp.asarray(pos, jnp.int32) if framework == "jax" else torch.tensor(pos, dtype=torch.int32)
+    f = lib.flash_attention
+    kw = dict(rope=lib.Rope(style="half", base=500.0), positions=pos, causal=True, implementation="triton")
+    plain = _np(f(q, k, v, **kw))
+    wide = _np(f(q, k, v, window=(30, 30), ordering="hilbert", grid=(5, 6), **kw))
+    np.testing.assert_allclose(wide, plain, rtol=0, atol=4e-6)
+    narrow = _np(f(q, k, v, window=(4, 4), ordering="hilbert", grid=(5, 6), **kw))
+    assert np.abs(narrow - plain).max() > 1e-2  # the window on the ordered sequence took effect
 
 
 def test_mosaic_refuses_and_the_rule_picks_triton():

@@ -22,6 +22,7 @@ from attn_spec import autotune as tuning
 from attn_spec import varlen
 
 from . import orderings, registry
+from .ops.common.rope import apply_rope
 from .ops.common.validation import (validate, validate_alibi, validate_dilated, validate_dropout, validate_offsets,
                                     validate_rope, validate_stick_breaking)
 from .ops.softmax import reference as softmax_ref
@@ -105,8 +106,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
         window it changes nothing (softmax attention is permutation-equivariant) and the call runs
         as without it. With a window the Triton kernels gather every tile's rows through pi and
         store the results at those rows (no permuted copies); window tiles are skipped, causal
-        ones cannot be. "eager" runs the explicit composite. Not with rope, alibi_slopes, dropout
-        or offsets (NotImplementedError).
+        ones cannot be. "eager" runs the explicit composite. With rope, q and k are rotated at
+        their original positions before the gathering kernels (one pass over q and k). Not with
+        alibi_slopes, dropout or offsets (NotImplementedError).
       grid: the token grid of a named ordering, (rows, cols) or (depth, rows, cols), holding
         exactly S tokens; None: `orderings.default_grid(S)`.
       return_lse: also return lse `[B, Hq, Sq]`, lse_i = log sum_{visible j} exp(s_ij) (natural log;
@@ -142,10 +144,12 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
         order = orderings.resolve(ordering, grid, q.shape[1], q.device)
         if window is None:  # no locality pattern: the ordering changes nothing
             order = None
-        if order is not None and (rope is not None or alibi_slopes is not None or dropout_rate or q_offset
-                                  or kv_offset):
-            raise NotImplementedError("ordering with a window does not combine with rope, alibi_slopes, dropout "
+        if order is not None and (alibi_slopes is not None or dropout_rate or q_offset or kv_offset):
+            raise NotImplementedError("ordering with a window does not combine with alibi_slopes, dropout "
                                       "or q_offset/kv_offset")
+        if order is not None and rope is not None:  # rotated at the original positions, then gathered
+            q, k = apply_rope(q, q_pos, rope), apply_rope(k, kv_pos, rope)
+            rope = q_pos = kv_pos = None
     call = registry.Call.of(q)
     flags = dict(causal=bool(causal), window=window is not None, softcap=softcap is not None,
                  segments=q_ids is not None, rope=rope is not None, positions=positions is not None,

@@ -11,7 +11,7 @@ from attn_spec import dilation, varlen
 from jax_attn import orderings, registry
 from jax_attn.device import device_info
 from jax_attn.ops.common import validation
-from jax_attn.ops.common.rope import Rope
+from jax_attn.ops.common.rope import Rope, apply_rope
 from jax_attn.ops.common.spec import AttentionSpec
 
 
@@ -82,7 +82,9 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         still skipped, causal ones cannot be (causality on original positions cuts through
         every tile of the ordered sequence). "mosaic" cannot serve it (its TMA loads read
         contiguous boxes; NotImplementedError), so implementation=None picks "triton"; "xla"
-        runs the explicit composite. Not combined with rope, alibi_slopes, dropout or offsets
+        runs the explicit composite. With rope, q and k are rotated at their original positions
+        by XLA before the gathering kernels (one pass over q and k; the Triton kernels rotate
+        contiguous rows only). Not combined with alibi_slopes, dropout or offsets
         (NotImplementedError). A traced permutation array is taken as given; a concrete one must
         be a permutation of [0, S) (ValueError).
       grid: the token grid of a named ordering: (rows, cols), or (depth, rows, cols) for "hilbert"
@@ -135,9 +137,12 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         order = orderings.resolve(ordering, grid, q_len)
         if left is None and right is None:  # no locality pattern: the ordering changes nothing
             order = None
-        if order is not None and (rope is not None or slopes is not None or rate or q_offset or kv_offset):
-            raise NotImplementedError("ordering with a window does not combine with rope, alibi_slopes, dropout "
+        if order is not None and (slopes is not None or rate or q_offset or kv_offset):
+            raise NotImplementedError("ordering with a window does not combine with alibi_slopes, dropout "
                                       "or q_offset/kv_offset")
+        if order is not None and rope is not None:  # rotated at the original positions, then gathered
+            q, k = apply_rope(q, q_pos, rope), apply_rope(k, kv_pos, rope)
+            rope = q_pos = kv_pos = None
     spec = AttentionSpec(
         scale=head_dim ** -0.5 if scale is None else scale,
         causal=bool(causal), window_left=left, window_right=right, softcap=softcap,

@@ -68,17 +68,19 @@ def run_torch(case: Case, implementation: str, dtype: str, inputs, device="cpu")
 def jax_call(case: Case):
     kw = case.call_kwargs()
     left, right = kw.get("window") or (None, None)
+    # an ordering matters (gathers rows) only with a locality pattern, the window; RoPE then runs
+    # before the kernels, which see none
+    ordered = kw.get("ordering") not in (None, "identity") and left is not None
+    rope = None if case.rope is None or ordered else jax_attn.Rope(style=case.rope[0], base=case.rope[1])
     spec = jax_attn.AttentionSpec(
         scale=1.0, causal=kw.get("causal", False), window_left=left, window_right=right,
-        softcap=kw.get("softcap"), has_segments=case.segments is not None,
-        rope=None if case.rope is None else jax_attn.Rope(style=case.rope[0], base=case.rope[1]),
+        softcap=kw.get("softcap"), has_segments=case.segments is not None, rope=rope,
         offset=kw.get("q_offset", 0) - kw.get("kv_offset", 0), alibi="alibi_slopes" in kw,
-        dropout=kw.get("dropout_rate", 0.0),
-        # an ordering matters (gathers rows) only with a locality pattern, the window
-        ordered=kw.get("ordering") not in (None, "identity") and left is not None)
-    offsets_position_rope = case.rope is not None and (kw.get("q_offset", 0) or kw.get("kv_offset", 0))
+        dropout=kw.get("dropout_rate", 0.0), ordered=ordered)
+    offsets_position_rope = rope is not None and (kw.get("q_offset", 0) or kw.get("kv_offset", 0))
     return jax_attn.registry.Call(spec, case.shape[5], jnp.dtype(case.dtype),
-                                  positions=case.positions is not None or bool(offsets_position_rope))
+                                  positions=rope is not None and (case.positions is not None
+                                                                  or bool(offsets_position_rope)))
 
 
 CASES = (
@@ -139,6 +141,8 @@ CASES = (
     _case("ordered_zorder_window_segments_fp16", (2, 37, 37, 2, 1, 16), "float16", ordering="zorder",
           window=(5, 2), segments="sorted", stat_grad=True),
     _case("ordered_snake_dense_causal", (1, 40, 40, 2, 2, 16), ordering="snake", causal=True),
+    _rope_case("ordered_hilbert_window_rope_causal_gqa", (1, 42, 42, 4, 2, 32), "half", base=500.0,
+               ordering="hilbert", grid=(6, 7), window=(6, 6), causal=True),
     _case("ordered_hilbert_window_bf16_4k_gqa", (1, 4096, 4096, 8, 2, 128), "bfloat16", ordering="hilbert",
           grid=(64, 64), window=(256, 256), causal=True, gpu=True),
     _case("ordered_gray_window_fp16_2k", (2, 2000, 2000, 4, 4, 64), "float16", ordering="gray", window=(128, 64),
