@@ -45,6 +45,9 @@ FLASH_CASES = [
     _case("ord_zorder_window_sorted_ids_fp16", (2, 33, 33, 2, 1, 16), "float16", ordering="zorder", window=(4, 2),
           segments="sorted", stat_grad=True, seed=0),
     _case("ord_snake_window_odd_mqa_d40", (1, 31, 31, 4, 1, 40), ordering="snake", window=(3, 6), seed=0),
+    # dropout: the mask of the tokens' pairs (the unordered call's)
+    _case("ord_zorder_window_dropout_causal_gqa", (1, 36, 36, 4, 2, 16), ordering="zorder", grid=(6, 6),
+          window=(6, 3), causal=True, dropout_rate=0.25, dropout_seed=2 ** 40 + 3, seed=0),
     # RoPE at each token's own position (rotated before the gathering kernels)
     _case("ord_hilbert_window_rope_restart_causal", (1, 42, 42, 4, 2, 32), ordering="hilbert", grid=(6, 7),
           window=(5, 5), causal=True, rope=("interleaved", 500.0), positions="restart_halfway", seed=0),
@@ -320,6 +323,37 @@ def test_ordering_needs_self_attention_and_refuses_positions(framework):
         slopes = np.array([0.5, 0.25], np.float32)
         f(q, k, v, window=(2, 2), ordering="hilbert",
           alibi_slopes=jnp.asarray(slopes) if framework == "jax" else torch.tensor(slopes))
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_ordered_dropout_is_the_unordered_mask(framework):
+    """Dropout under an ordering drops the pairs of tokens that the unordered call drops: with a
+    window wider than the sequence (ordered, every key visible) the call equals the unordered one
+    with the same seed, on the kernels and on the composite, out and gradients."""
+    lib = jax_attn if framework == "jax" else torch_ref
+    q, k, v = _inputs(framework, (2, 30, 4, 2, 16))
+    if framework == "jax":
+        key = jax.random.key(7)
+        kw = dict(dropout_rate=0.3, dropout_key=key, causal=True)
+
+        def run(impl, **extra):
+            f = lambda q, k, v: lib.flash_attention(q, k, v, implementation=impl, **kw, **extra)
+            out, vjp = jax.vjp(f, q, k, v)
+            return [np.asarray(x) for x in (out, *vjp(jnp.ones_like(out)))]
+    else:
+        kw = dict(dropout_rate=0.3, dropout_seed=7, causal=True)
+
+        def run(impl, **extra):
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            out = lib.flash_attention(*leaves, implementation=impl, **kw, **extra)
+            return [_np(x) for x in (out, *torch.autograd.grad(out.sum(), leaves))]
+    for impl in ("triton", "xla" if framework == "jax" else "eager"):
+        plain = run(impl)
+        wide = run(impl, window=(30, 30), ordering="zorder", grid=(5, 6))
+        for got, want in zip(wide, plain):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        narrow = run(impl, window=(3, 3), ordering="zorder", grid=(5, 6))
+        assert np.abs(narrow[0] - plain[0]).max() > 1e-2  # the window on the ordered sequence took effect
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])

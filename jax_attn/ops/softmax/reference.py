@@ -42,8 +42,9 @@ def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=No
     seg_q = q_seg[:, None, None, :, None] if spec.has_segments else None
     seg_k = kv_seg[:, None, None, None, :] if spec.has_segments else None
     if spec.ordered:
-        q_orig = jnp.broadcast_to(jnp.asarray(q_orig), (batch, q_len))[:, None, None, :, None]
-        kv_orig = jnp.broadcast_to(jnp.asarray(kv_orig), (batch, kv_len))[:, None, None, None, :]
+        q_tokens = jnp.broadcast_to(jnp.asarray(q_orig), (batch, q_len))
+        kv_tokens = jnp.broadcast_to(jnp.asarray(kv_orig), (batch, kv_len))
+        q_orig, kv_orig = q_tokens[:, None, None, :, None], kv_tokens[:, None, None, None, :]
     mask = visible(spec, rows, cols, kv_len, seg_q, seg_k, q_orig, kv_orig)
     mask = jnp.broadcast_to(mask, s.shape)
     s = jnp.where(mask, s, -jnp.inf)
@@ -55,7 +56,12 @@ def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=No
     empty = l == 0
     p = p / jnp.where(empty, 1.0, l)
     if spec.dropout:  # the kernels' mask, [B, Hq, Sq, Sk] -> [B, Hkv, G, Sq, Sk]
-        keep = dropout.keep_mask(seed, batch, num_heads, q_len, kv_len, spec.dropout)
+        row_bits, col_bits = dropout.tables(seed, batch, num_heads, q_len, kv_len)
+        col_bits = jnp.broadcast_to(col_bits, (batch, kv_len))
+        if spec.ordered:  # the bits of the tokens the ordered rows hold: the mask of the unordered call
+            row_bits = jnp.take_along_axis(row_bits, q_tokens[:, None, :], axis=2)
+            col_bits = jnp.take_along_axis(col_bits, kv_tokens, axis=1)
+        keep = dropout.keep(row_bits[..., None], col_bits[:, None, None, :], spec.dropout)
         keep = keep.reshape(batch, num_kv_heads, group, q_len, kv_len)
         p = jnp.where(keep, p * (1.0 / (1.0 - spec.dropout)), jnp.zeros((), p.dtype))
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, precision=spec.precision)

@@ -633,10 +633,10 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
         raise ValueError(f"kernels must be 'triton' or 'mosaic_gpu', got {kernels!r}")
     if spec.ordered != (order is not None):
         raise ValueError("an ordered spec needs its order, and an order an ordered spec")
-    if spec.ordered and (kernels != "triton" or spec.rope is not None or spec.alibi or spec.dropout
+    if spec.ordered and (kernels != "triton" or spec.rope is not None or spec.alibi
                          or spec.offset or q.shape[1] != k.shape[1]):
-        raise NotImplementedError("orderings run on the Triton kernels, self-attention without RoPE, ALiBi, "
-                                  "dropout or offsets")
+        raise NotImplementedError("orderings run on the Triton kernels, self-attention without RoPE, ALiBi "
+                                  "or offsets")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     batch, q_len, _, head_dim = q.shape
@@ -674,7 +674,11 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
         side.append(padding.pad_axis(slopes.astype(jnp.float32), 0, pow2_at_least(slopes.shape[0]))
                     if spec.alibi else None)
     if spec.dropout:  # every row's and key's bits, hashed once here rather than in every tile
-        side += dropout.tables(seed, batch, q.shape[2], q_pad, kv_pad)
+        rows_bits, cols_bits = dropout.tables(seed, batch, q.shape[2], q_pad, kv_pad)
+        if order is not None:  # an ordered row takes its token's bits: the mask of the unordered call
+            tokens = lambda n: jnp.concatenate([order.astype(jnp.int32), jnp.arange(q_len, n, dtype=jnp.int32)])
+            rows_bits, cols_bits = jnp.take(rows_bits, tokens(q_pad), axis=2), jnp.take(cols_bits, tokens(kv_pad))
+        side += [rows_bits, cols_bits]
     if order is not None:  # the ordered sequence's side fields: ids of its tokens, their positions
         orig = jnp.concatenate([order.astype(jnp.int32), jnp.arange(q_len, q_pad, dtype=jnp.int32)])
         orig = jnp.broadcast_to(orig, (batch, q_pad))

@@ -93,6 +93,9 @@ def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, w
     if dropout is not None:  # after the softmax (its l and lse unchanged), before PV
         rate, seed = dropout
         keep = drop.keep_mask(seed, B, Hq, Sq, Sk, rate, device=q.device)
+        if orig is not None:  # the ordered rows' tokens' pairs: the mask of the unordered call
+            tokens = orig.reshape(-1).to(torch.int64)
+            keep = keep.index_select(2, tokens).index_select(3, tokens)
         p = torch.where(keep, p * (1.0 / (1.0 - rate)), torch.zeros((), dtype=stat, device=p.device))
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(q.dtype), v)
 

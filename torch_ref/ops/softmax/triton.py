@@ -896,13 +896,19 @@ def _flags(causal, window, q_ids, softcap):
                 HAS_SOFTCAP=softcap is not None)
 
 
-def hash_dropout(dropout, q, k):
+def hash_dropout(dropout, q, k, order=None):
     """dropout (rate, (s0, s1)) or None -> (rate, (rows, cols)) or None: the call's row and key bits
-    (`triton_dropout.tables`), hashed once for its forward and backward kernels."""
+    (`triton_dropout.tables`), hashed once for its forward and backward kernels. order: an
+    ordering's permutation [S] (flash attention's gathered rows): row t takes token order[t]'s
+    bits, so that the mask is the unordered call's."""
     if dropout is None:
         return None
     rate, seed = dropout
-    return rate, drop.tables(seed, q.shape[0] * q.shape[2], q.shape[1], k.shape[1], q.device)
+    rows, cols = drop.tables(seed, q.shape[0] * q.shape[2], q.shape[1], k.shape[1], q.device)
+    if order is not None:
+        order = order.to(torch.int64)
+        rows, cols = rows.index_select(1, order).contiguous(), cols.index_select(0, order).contiguous()
+    return rate, (rows, cols)
 
 
 def _dropout_args(dropout, row_map):
@@ -934,7 +940,7 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     of an ordered sequence of L rows whose row t is row orig[bs, t] of q, k, v (whole arrays
     [B, S, H, D], batch row b // batch_div; bs as the segment-id row). scatter: out, lse, stats in
     the original order (B, S as q's); else compact [B * batch_div, L, ...] (with a row map).
-    No RoPE, ALiBi or dropout with it.
+    No RoPE or ALiBi with it; dropout's bits are then the tokens' (`hash_dropout`'s order).
     Inputs are assumed validated (see torch_ref.ops.common.validation).
     """
     B, Sq, Hq, D = q.shape
@@ -1045,7 +1051,8 @@ class FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_ids, kv_ids, causal, scale, window, softcap, rope, q_pos, kv_pos, config=None,
                 alibi=None, dropout=None, gather=None):
-        dropout = hash_dropout(dropout, q, k)  # dropout: (rate, (s0, s1)) or None
+        # dropout: (rate, (s0, s1)) or None; an ordering's rows (the same for every batch row) take their tokens' bits
+        dropout = hash_dropout(dropout, q, k, None if gather is None else gather[0][0])
         out, lse, stats = forward(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
                                   window=window, softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos,
                                   config=config, alibi=alibi, dropout=dropout, gather=gather)
