@@ -60,6 +60,9 @@ FLASH_CASES = [
           grid=(64, 128), window=(256, 256), causal=True, gpu=True),
     _case("gpu_ord_zorder_window_packed_fp16_8k", (1, 8192, 8192, 4, 4, 64), "float16", ordering="zorder",
           window=(512, 0), segments="packed", gpu=True),
+    _case("gpu_ord_hilbert_window_rope_dropout_bf16_2k", (1, 2048, 2048, 4, 2, 64), "bfloat16", ordering="hilbert",
+          grid=(32, 64), window=(128, 128), causal=True, rope=("half", 10000.0), dropout_rate=0.1, dropout_seed=99,
+          gpu=True),
 ]
 DILATED_CASES = [
     _dl_case("ord_dl_hilbert_lse_causal_gqa", (1, 42, 4, 2, 16), (8, 16), (1, 2), ordering="hilbert", grid=(6, 7),
