@@ -304,7 +304,7 @@ def select(registry, variant: str, implementation, config, call, key: Callable[[
                     chosen = _from_record(registry, variant, implementation, call, record, built, source)
                     if chosen is not None:
                         return chosen
-                    break  # the user's entry, unusable here (warned): the registry's choice
+                    break  # an entry that cannot serve (warned) or did not time the asked one: the registry's
     entry = registry.resolve(variant, implementation, call)
     return entry, registry.check_config(entry, config, call)
 

@@ -662,6 +662,8 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     vp = padding.pad_axis(padding.pad_head_dim(v, spec, head_pad, False), 1, kv_pad)
 
     fields = tiles.info_fields(spec)
+    # under an ordering: the token each row of the ordered sequence holds (padding rows: their own)
+    tokens = lambda n: jnp.concatenate([order.astype(jnp.int32), jnp.arange(q_len, n, dtype=jnp.int32)])
     side = [None] * 4
     if fields and order is None:
         side[:2] = _side_info(fields, q_pad, q_seg), _side_info(fields, kv_pad, kv_seg)
@@ -676,12 +678,10 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
     if spec.dropout:  # every row's and key's bits, hashed once here rather than in every tile
         rows_bits, cols_bits = dropout.tables(seed, batch, q.shape[2], q_pad, kv_pad)
         if order is not None:  # an ordered row takes its token's bits: the mask of the unordered call
-            tokens = lambda n: jnp.concatenate([order.astype(jnp.int32), jnp.arange(q_len, n, dtype=jnp.int32)])
             rows_bits, cols_bits = jnp.take(rows_bits, tokens(q_pad), axis=2), jnp.take(cols_bits, tokens(kv_pad))
         side += [rows_bits, cols_bits]
     if order is not None:  # the ordered sequence's side fields: ids of its tokens, their positions
-        orig = jnp.concatenate([order.astype(jnp.int32), jnp.arange(q_len, q_pad, dtype=jnp.int32)])
-        orig = jnp.broadcast_to(orig, (batch, q_pad))
+        orig = jnp.broadcast_to(tokens(q_pad), (batch, q_pad))
         if spec.has_segments:
             q_seg, kv_seg = (jnp.take(x, order, axis=1) for x in (q_seg, kv_seg))
         seg = (lambda x: padding.pad_axis(x, 1, q_pad, mode="edge")) if spec.has_segments else (lambda x: None)
