@@ -149,7 +149,7 @@ def default_strategy(seq_len: int, num_shards: int, num_heads: int, num_kv_heads
     shards of at most 4096 rows (a ring step there is too short to hide its transfer and the P
     steps' launches add up), or GQA with at least 8 query heads per kv head (K/V 1/8 of Q or less,
     Llama 3's setting); otherwise "ring" (its transfers overlap the steps' work, and no shard holds
-    the whole K/V and their fp32 gradients)."""
+    the whole sequence's K/V)."""
     if num_shards == 1 or seq_len // num_shards <= 4096 or num_heads >= 8 * num_kv_heads:
         return "all_gather"
     return "ring"
