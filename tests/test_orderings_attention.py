@@ -354,7 +354,7 @@ def test_ordered_dropout_is_the_unordered_mask(framework):
         plain = run(impl)
         wide = run(impl, window=(30, 30), ordering="zorder", grid=(5, 6))
         for got, want in zip(wide, plain):
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)  # a few ulps of values up to 8
         narrow = run(impl, window=(3, 3), ordering="zorder", grid=(5, 6))
         assert np.abs(narrow[0] - plain[0]).max() > 1e-2  # the window on the ordered sequence took effect
 
