@@ -36,9 +36,10 @@ from typing import Any, Callable, Iterable
 FORMAT_VERSION = 1
 ENV_VAR = "JAX_ATTN_CACHE"
 
-__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "backend_rows", "branches_flag",
-           "SHIPPED", "cache_key", "call_key", "candidate_configs", "config_from_json", "config_to_json", "default_path", "load", "lookup",
-           "probe", "record_of", "select", "shape_class", "store", "time_row", "using_path"]
+__all__ = ["CacheError", "DISABLED", "ENV_VAR", "FORMAT_VERSION", "Probe", "ProbeStop", "SHIPPED", "backend_rows",
+           "branches_flag", "cache_key", "call_key", "candidate_configs", "config_from_json", "config_to_json",
+           "default_path", "load", "lookup", "probe", "record_of", "select", "shape_class", "store", "time_row",
+           "using_path"]
 
 
 class CacheError(ValueError):

@@ -85,8 +85,9 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         runs the explicit composite. With rope, q and k are rotated at their original positions
         by XLA before the gathering kernels (one pass over q and k; the Triton kernels rotate
         contiguous rows only). Dropout drops the pairs of tokens the unordered call drops (the
-        mask follows the tokens). Not combined with alibi_slopes or offsets (NotImplementedError). A traced permutation array is taken as given; a concrete one must
-        be a permutation of [0, S) (ValueError).
+        mask follows the tokens). Not combined with alibi_slopes or offsets (NotImplementedError).
+        A traced permutation array is taken as given; a concrete one must be a permutation of
+        [0, S) (ValueError).
       grid: the token grid of a named ordering: (rows, cols), or (depth, rows, cols) for "hilbert"
         and "zorder", holding exactly S tokens (row-major); None: the near-square
         `default_grid(S)`.
