@@ -115,7 +115,8 @@ def _softmax_mosaic(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, sl
 def _softmax_xla(q, k, v, q_seg, kv_seg, spec, *, q_pos=None, kv_pos=None, slopes=None, seed=None,
                  config=None, order=None):
     if order is not None:  # the explicit composite: permute, attend, unpermute
-        return orderings_reference.ordered_attention_reference(q, k, v, q_seg, kv_seg, spec, order, seed=seed)
+        return orderings_reference.ordered_attention_reference(q, k, v, q_seg, kv_seg, spec, order, seed=seed,
+                                                               slopes=slopes)
     return softmax_reference.attention_reference(q, k, v, q_seg, kv_seg, spec, q_pos=q_pos, kv_pos=kv_pos,
                                                  slopes=slopes, seed=seed)
 

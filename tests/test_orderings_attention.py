@@ -48,6 +48,9 @@ FLASH_CASES = [
     # dropout: the mask of the tokens' pairs (the unordered call's)
     _case("ord_zorder_window_dropout_causal_gqa", (1, 36, 36, 4, 2, 16), ordering="zorder", grid=(6, 6),
           window=(6, 3), causal=True, dropout_rate=0.25, dropout_seed=2 ** 40 + 3, seed=0),
+    # ALiBi on the tokens' original distance
+    _case("ord_zorder_window_alibi_fp16", (2, 33, 33, 4, 2, 16), "float16", ordering="zorder", window=(4, 4),
+          alibi_slopes=(0.5, 0.25, 0.125, 0.0625), seed=0),
     # RoPE at each token's own position (rotated before the gathering kernels)
     _case("ord_hilbert_window_rope_restart_causal", (1, 42, 42, 4, 2, 32), ordering="hilbert", grid=(6, 7),
           window=(5, 5), causal=True, rope=("interleaved", 500.0), positions="restart_halfway", seed=0),
@@ -62,6 +65,9 @@ FLASH_CASES = [
           window=(512, 0), segments="packed", gpu=True),
     _case("gpu_ord_hilbert_window_rope_dropout_bf16_2k", (1, 2048, 2048, 4, 2, 64), "bfloat16", ordering="hilbert",
           grid=(32, 64), window=(128, 128), causal=True, rope=("half", 10000.0), dropout_rate=0.1, dropout_seed=99,
+          gpu=True),
+    _case("gpu_ord_hilbert_window_alibi_causal_bf16_4k", (1, 4096, 4096, 8, 2, 128), "bfloat16", ordering="hilbert",
+          grid=(64, 64), window=(256, 256), causal=True, alibi_slopes=tuple(2.0 ** -(h + 1) for h in range(8)),
           gpu=True),
 ]
 DILATED_CASES = [
@@ -322,10 +328,39 @@ def test_ordering_needs_self_attention_and_refuses_positions(framework):
     f = _fn(framework, "flash")
     with pytest.raises(ValueError, match="Sq == Sk"):
         f(q[:, :20], k, v, window=(2, 2), ordering="hilbert")
-    with pytest.raises(NotImplementedError, match="does not combine with alibi_slopes"):
-        slopes = np.array([0.5, 0.25], np.float32)
-        f(q, k, v, window=(2, 2), ordering="hilbert",
-          alibi_slopes=jnp.asarray(slopes) if framework == "jax" else torch.tensor(slopes))
+    with pytest.raises(NotImplementedError, match="does not combine with q_offset/kv_offset"):
+        f(q, k, v, window=(2, 2), ordering="hilbert", q_offset=3, kv_offset=3)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_ordered_alibi_takes_the_original_distance(framework):
+    """ALiBi under an ordering penalises the tokens' original distance |pi[t] - pi[u]|: with a
+    window wider than the sequence (ordered, every key visible) the call equals unordered ALiBi
+    attention, out and gradients, on the kernels and on the composite; a narrow window differs."""
+    lib = jax_attn if framework == "jax" else torch_ref
+    q, k, v = _inputs(framework, (2, 30, 4, 2, 16))
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    if framework == "jax":
+        kw = dict(alibi_slopes=jnp.asarray(slopes), causal=True)
+
+        def run(impl, **extra):
+            f = lambda q, k, v: lib.flash_attention(q, k, v, implementation=impl, **kw, **extra)
+            out, vjp = jax.vjp(f, q, k, v)
+            return [np.asarray(x) for x in (out, *vjp(jnp.ones_like(out)))]
+    else:
+        kw = dict(alibi_slopes=torch.tensor(slopes), causal=True)
+
+        def run(impl, **extra):
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            out = lib.flash_attention(*leaves, implementation=impl, **kw, **extra)
+            return [_np(x) for x in (out, *torch.autograd.grad(out.sum(), leaves))]
+    for impl in ("triton", "xla" if framework == "jax" else "eager"):
+        plain = run(impl)
+        wide = run(impl, window=(30, 30), ordering="hilbert", grid=(5, 6))
+        for got, want in zip(wide, plain):
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)  # a few ulps of values up to 8
+        narrow = run(impl, window=(3, 3), ordering="hilbert", grid=(5, 6))
+        assert np.abs(narrow[0] - plain[0]).max() > 1e-2  # the window on the ordered sequence took effect
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])

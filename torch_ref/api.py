@@ -108,8 +108,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
         store the results at those rows (no permuted copies); window tiles are skipped, causal
         ones cannot be. "eager" runs the explicit composite. With rope, q and k are rotated at
         their original positions before the gathering kernels (one pass over q and k). Dropout
-        drops the pairs of tokens the unordered call drops. Not with alibi_slopes or offsets
-        (NotImplementedError).
+        drops the pairs of tokens the unordered call drops. ALiBi takes the tokens' original
+        distance |pi[t] - pi[u]|. Not with offsets (NotImplementedError).
       grid: the token grid of a named ordering, (rows, cols) or (depth, rows, cols), holding
         exactly S tokens; None: `orderings.default_grid(S)`.
       return_lse: also return lse `[B, Hq, Sq]`, lse_i = log sum_{visible j} exp(s_ij) (natural log;
@@ -145,9 +145,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, wind
         order = orderings.resolve(ordering, grid, q.shape[1], q.device)
         if window is None:  # no locality pattern: the ordering changes nothing
             order = None
-        if order is not None and (alibi_slopes is not None or q_offset or kv_offset):
-            raise NotImplementedError("ordering with a window does not combine with alibi_slopes or "
-                                      "q_offset/kv_offset")
+        if order is not None and (q_offset or kv_offset):
+            raise NotImplementedError("ordering with a window does not combine with q_offset/kv_offset")
         if order is not None and rope is not None:  # rotated at the original positions, then gathered
             q, k = apply_rope(q, q_pos, rope), apply_rope(k, kv_pos, rope)
             rope = q_pos = kv_pos = None

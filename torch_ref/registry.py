@@ -104,7 +104,7 @@ def _softmax_eager(q, k, v, *, causal, scale, q_ids, kv_ids, window, softcap, ro
                    alibi=None, dropout=None, order=None):
     if order is not None:  # the explicit composite: permute, attend, unpermute
         return orderings_ref.attention(q, k, v, order, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids,
-                                       window=window, softcap=softcap, dropout=dropout)
+                                       window=window, softcap=softcap, alibi=alibi, dropout=dropout)
     return softmax_ref.attention(q, k, v, causal=causal, scale=scale, q_ids=q_ids, kv_ids=kv_ids, window=window,
                                  softcap=softcap, rope=rope, q_pos=q_pos, kv_pos=kv_pos, alibi=alibi, dropout=dropout)
 

@@ -85,7 +85,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         runs the explicit composite. With rope, q and k are rotated at their original positions
         by XLA before the gathering kernels (one pass over q and k; the Triton kernels rotate
         contiguous rows only). Dropout drops the pairs of tokens the unordered call drops (the
-        mask follows the tokens). Not combined with alibi_slopes or offsets (NotImplementedError).
+        mask follows the tokens). ALiBi takes the tokens' original distance |pi[t] - pi[u]|
+        (in the kernels and the composite). Not combined with offsets (NotImplementedError).
         A traced permutation array is taken as given; a concrete one must be a permutation of
         [0, S) (ValueError).
       grid: the token grid of a named ordering: (rows, cols), or (depth, rows, cols) for "hilbert"
@@ -138,9 +139,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: float | None = None
         order = orderings.resolve(ordering, grid, q_len)
         if left is None and right is None:  # no locality pattern: the ordering changes nothing
             order = None
-        if order is not None and (slopes is not None or q_offset or kv_offset):
-            raise NotImplementedError("ordering with a window does not combine with alibi_slopes or "
-                                      "q_offset/kv_offset")
+        if order is not None and (q_offset or kv_offset):
+            raise NotImplementedError("ordering with a window does not combine with q_offset/kv_offset")
         if order is not None and rope is not None:  # rotated at the original positions, then gathered
             q, k = apply_rope(q, q_pos, rope), apply_rope(k, kv_pos, rope)
             rope = q_pos = kv_pos = None

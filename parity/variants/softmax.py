@@ -145,6 +145,9 @@ CASES = (
                ordering="hilbert", grid=(6, 7), window=(6, 6), causal=True),
     _case("ordered_zorder_window_dropout_gqa", (1, 36, 36, 4, 2, 32), ordering="zorder", grid=(6, 6), window=(5, 5),
           dropout_rate=0.2, dropout_seed=2 ** 33 + 9),
+    # ALiBi on the tokens' original distance
+    _case("ordered_hilbert_window_alibi_causal_gqa", (1, 40, 40, 4, 2, 32), ordering="hilbert", grid=(5, 8),
+          window=(6, 6), causal=True, alibi_slopes=(0.5, 0.25, 0.125, 0.0625)),
     _case("ordered_hilbert_window_bf16_4k_gqa", (1, 4096, 4096, 8, 2, 128), "bfloat16", ordering="hilbert",
           grid=(64, 64), window=(256, 256), causal=True, gpu=True),
     _case("ordered_gray_window_fp16_2k", (2, 2000, 2000, 4, 4, 64), "float16", ordering="gray", window=(128, 64),

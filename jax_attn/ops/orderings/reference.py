@@ -17,14 +17,16 @@ def _inverse(perm):
     return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
 
 
-def ordered_attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, perm, seed=None):
+def ordered_attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, perm, seed=None, slopes=None):
     """q [B, S, Hq, D], k/v [B, S, Hkv, D], ids [B, S] or None, perm int [S], spec.ordered ->
     (out [B, S, Hq, D], lse [B, Hq, S]) in the original order: the window on the ordered sequence,
-    causality on the original positions perm[t], dropout (seed) per pair of original tokens."""
+    causality and the ALiBi distance (slopes [Hq]) on the original positions perm[t], dropout
+    (seed) per pair of original tokens."""
     perm = jnp.asarray(perm).astype(jnp.int32)
     take = lambda x: jnp.take(x, perm, axis=1)
     ids = (None, None) if q_seg is None else (take(q_seg), take(kv_seg))
-    out, lse = attention_reference(take(q), take(k), take(v), *ids, spec, seed=seed, q_orig=perm, kv_orig=perm)
+    out, lse = attention_reference(take(q), take(k), take(v), *ids, spec, slopes=slopes, seed=seed, q_orig=perm,
+                                   kv_orig=perm)
     inv = _inverse(perm)
     return jnp.take(out, inv, axis=1), jnp.take(lse, inv, axis=2)
 

@@ -21,7 +21,7 @@ def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=No
     With spec.rope, q and k are first rotated by q_pos [B, Sq] / kv_pos [B, Sk] (plain jnp); with
     spec.dropout, the probabilities are dropped by the mask of `seed` (uint32 [2]). With
     spec.ordered the rows are those of an ordered sequence and q_orig [Sq] / kv_orig [Sk] (or
-    [B, S]) their original positions, which causality compares."""
+    [B, S]) their original positions, which causality and the ALiBi distance compare."""
     if spec.rope is not None:
         q, k = apply_rope(q, q_pos, spec.rope), apply_rope(k, kv_pos, spec.rope)
     batch, q_len, num_heads, head_dim = q.shape
@@ -36,15 +36,16 @@ def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=No
         s = spec.softcap * jnp.tanh(s / spec.softcap)
     rows = jnp.arange(q_len)[None, None, None, :, None]  # against s [B, Hkv, G, Sq, Sk]
     cols = jnp.arange(kv_len)[None, None, None, None, :]
-    if spec.alibi:  # -slope_h |i + offset - j|, per query head h = kv_head * G + g
-        slope = slopes.astype(s.dtype).reshape(num_kv_heads, group)[None, :, :, None, None]
-        s = s - slope * jnp.abs(rows + spec.offset - cols).astype(s.dtype)
-    seg_q = q_seg[:, None, None, :, None] if spec.has_segments else None
-    seg_k = kv_seg[:, None, None, None, :] if spec.has_segments else None
     if spec.ordered:
         q_tokens = jnp.broadcast_to(jnp.asarray(q_orig), (batch, q_len))
         kv_tokens = jnp.broadcast_to(jnp.asarray(kv_orig), (batch, kv_len))
         q_orig, kv_orig = q_tokens[:, None, None, :, None], kv_tokens[:, None, None, None, :]
+    if spec.alibi:  # -slope_h |i + offset - j|, per query head h = kv_head * G + g; ordered: original positions
+        slope = slopes.astype(s.dtype).reshape(num_kv_heads, group)[None, :, :, None, None]
+        distance = q_orig - kv_orig if spec.ordered else rows + spec.offset - cols
+        s = s - slope * jnp.abs(distance).astype(s.dtype)
+    seg_q = q_seg[:, None, None, :, None] if spec.has_segments else None
+    seg_k = kv_seg[:, None, None, None, :] if spec.has_segments else None
     mask = visible(spec, rows, cols, kv_len, seg_q, seg_k, q_orig, kv_orig)
     mask = jnp.broadcast_to(mask, s.shape)
     s = jnp.where(mask, s, -jnp.inf)

@@ -148,7 +148,8 @@ def _alibi(spec, slope, rows, cols, base):
     """ALiBi in log2 units: -slope * |i + offset - j| * log2(e), for rows and cols broadcast. Both
     positions are taken relative to `base`, a position of the tile, and converted to float before
     the subtract: per element a float subtract instead of an integer abs and an int-to-float
-    conversion; exact while positions lie within 2^24 of the tile."""
+    conversion; exact while positions lie within 2^24 of the tile. Under an ordering the distance
+    is the tokens' original one: rows and cols are the gathered original positions, base 0."""
     rows = rows + spec.offset - base if spec.offset else rows - base
     return jnp.abs(rows.astype(jnp.float32) - (cols - base).astype(jnp.float32)) * (-slope * LOG2E)
 
@@ -222,7 +223,9 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
         k = tiles.rotate(tiles.load_parts(k_ref, (kv_at,), spec, head_dim), k_cs, k_ref.dtype)
         v = v_ref[kv_at, :]
         s, _ = _scores(q, k, spec)
-        if spec.alibi:
+        if spec.alibi and kv_rows is not None:
+            s = s + _alibi(spec, slope, q_orig, kv_info.get("orig", tile)[None, :], 0)
+        elif spec.alibi:
             s = s + _alibi(spec, slope, rows[:, None], (start + jnp.arange(block_k))[None, :], start)
         if masked:
             cols = start + jnp.arange(block_k)
@@ -367,7 +370,8 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
         s, t = _scores((q,), (k,), spec, k_major=True)  # [block_k, block_q]
         if spec.alibi:
             slope = slopes_ref[first_head + g]
-            s = s + _alibi(spec, slope, (start + jnp.arange(block_q))[None, :], cols, start)
+            s = s + (_alibi(spec, slope, (start + jnp.arange(block_q))[None, :], cols, start) if kv_orig is None
+                     else _alibi(spec, slope, q_info.get("orig", tile)[None, :], kv_orig, 0))
         if masked:
             rows = (start + jnp.arange(block_q))[None, :]
             q_seg = q_info.get("seg", tile)
@@ -437,7 +441,9 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
         k = k_ref[kv_at, :]
         v = v_ref[kv_at, :]
         s, t = _scores((q,), (k,), spec)
-        if spec.alibi:
+        if spec.alibi and q_orig is not None:
+            s = s + _alibi(spec, slope, q_orig, kv_info.get("orig", tile)[None, :], 0)
+        elif spec.alibi:
             s = s + _alibi(spec, slope, rows, (start + jnp.arange(block_k))[None, :], start)
         if masked:
             cols = (start + jnp.arange(block_k))[None, :]
@@ -633,9 +639,8 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
         raise ValueError(f"kernels must be 'triton' or 'mosaic_gpu', got {kernels!r}")
     if spec.ordered != (order is not None):
         raise ValueError("an ordered spec needs its order, and an order an ordered spec")
-    if spec.ordered and (kernels != "triton" or spec.rope is not None or spec.alibi
-                         or spec.offset or q.shape[1] != k.shape[1]):
-        raise NotImplementedError("orderings run on the Triton kernels, self-attention without RoPE, ALiBi "
+    if spec.ordered and (kernels != "triton" or spec.rope is not None or spec.offset or q.shape[1] != k.shape[1]):
+        raise NotImplementedError("orderings run on the Triton kernels, self-attention without in-kernel RoPE "
                                   "or offsets")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"

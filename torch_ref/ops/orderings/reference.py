@@ -20,8 +20,8 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 
 def attention(q, k, v, perm, *, q_ids=None, kv_ids=None, **kwargs):
     """`softmax_ref.attention` on the ordered sequence (perm int [S], Sq == Sk): the window on it,
-    causality on the original positions perm[t], ids per original token; out [B, S, Hq, D] and
-    lse [B, Hq, S] in the original order."""
+    causality and the ALiBi distance on the original positions perm[t], ids per original token;
+    out [B, S, Hq, D] and lse [B, Hq, S] in the original order."""
     perm = perm.to(q.device, torch.int64)
     take = lambda x: x.index_select(1, perm)
     ids = {} if q_ids is None else dict(q_ids=take(q_ids), kv_ids=take(kv_ids))

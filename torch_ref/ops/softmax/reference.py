@@ -46,7 +46,7 @@ def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, w
     [B, Sk] are the integer positions of q and k) or None. alibi: (slopes [Hq], offset) or None:
     scores get -slope_h |i + offset - j|. dropout: (rate, (s0, s1)) (the seed words of
     `attn_spec.dropout`) or None. orig: `[S]` (Sq == Sk), the rows' original positions in an
-    ordered sequence (or `[B, S]`), for causality.
+    ordered sequence (or `[B, S]`), for causality and the ALiBi distance.
     """
     if rope is not None:
         q = apply_rope(q, q_pos, rope)
@@ -81,7 +81,11 @@ def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, w
     s = s.to(stat)
     if alibi is not None:
         slopes, offset = alibi
-        distance = (torch.arange(Sq, device=q.device)[:, None] + offset - torch.arange(Sk, device=q.device)[None, :])
+        if orig is not None:  # the tokens' original distance, [B or 1, 1, S, S]
+            o = orig.reshape(-1, Sq).to(q.device)
+            distance = o[:, None, :, None] - o[:, None, None, :]
+        else:
+            distance = torch.arange(Sq, device=q.device)[:, None] + offset - torch.arange(Sk, device=q.device)[None, :]
         s = s - slopes.to(stat)[None, :, None, None] * distance.abs().to(stat)
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=stat, device=m.device))

@@ -164,7 +164,8 @@ def _alibi(s2, slope2, rows, cols, base):
     """s2 - slope2 |rows - cols| (log2 units; rows, cols broadcastable int positions). Both are
     taken relative to `base`, a position of the tile, and converted to float before the subtract:
     per element a float subtract instead of an integer abs and an int-to-float conversion (a
-    quarter-rate instruction); exact while positions lie within 2^24 of the tile."""
+    quarter-rate instruction); exact while positions lie within 2^24 of the tile. Under an ordering
+    rows and cols are the tokens' original positions, base 0."""
     return s2 - slope2 * tl.abs((rows - base).to(tl.float32) - (cols - base).to(tl.float32))
 
 
@@ -291,7 +292,9 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
             kT = load_2d(k_base + offs_d[:, None] * skd + krow[None, :] * sks, d_ok, n_ok, CHECK_D, POSITIONAL)
             qk = tl.dot(q, kT, input_precision=PRECISION)
         s2, t = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
-        if HAS_ALIBI:  # -slope |i + offset - j|, in log2 units
+        if HAS_ALIBI and ORDERED:  # the tokens' original distance
+            s2 = _alibi(s2, slope2, qo, ko[None, :], 0)
+        elif HAS_ALIBI:  # -slope |i + offset - j|, in log2 units
             s2 = _alibi(s2, slope2, offs_m[:, None] + aoff, cols[None, :], blk * BLOCK_N)
         v = load_2d(v_base + krow[:, None] * svs + offs_d[None, :] * svd, n_ok, d_ok, POSITIONAL, CHECK_D)
         if POSITIONAL or HAS_SEGMENTS:
@@ -468,7 +471,9 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
             qT = load_2d(q_base + offs_d[:, None] * sqd + qrow[None, :] * sqs, d_ok, m_ok, CHECK_D, POSITIONAL)
             qk = tl.dot(k, qT, input_precision=PRECISION)
         s2T, tT = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
-        if HAS_ALIBI:
+        if HAS_ALIBI and ORDERED:
+            s2T = _alibi(s2T, slope2, qo[None, :], ko, 0)
+        elif HAS_ALIBI:
             s2T = _alibi(s2T, slope2, rows[None, :] + aoff, offs_n[:, None], blk * BLOCK_M)
         if POSITIONAL:
             m2 = tl.load(m2_base + srow, mask=m_ok, other=float("inf"))
@@ -685,7 +690,9 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
         if ROPE:
             qk = tl.dot(q2, kT2, qk, input_precision=PRECISION)
         s2, t = _scores(qk, score_mul, cap_mul, HAS_SOFTCAP)
-        if HAS_ALIBI:
+        if HAS_ALIBI and ORDERED:
+            s2 = _alibi(s2, slope2, qo, ko[None, :], 0)
+        elif HAS_ALIBI:
             s2 = _alibi(s2, slope2, offs_m[:, None] + aoff, cols[None, :], blk * BLOCK_N)
         p = tl.exp2(s2 - m2[:, None]) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PRECISION)
@@ -940,7 +947,8 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     of an ordered sequence of L rows whose row t is row orig[bs, t] of q, k, v (whole arrays
     [B, S, H, D], batch row b // batch_div; bs as the segment-id row). scatter: out, lse, stats in
     the original order (B, S as q's); else compact [B * batch_div, L, ...] (with a row map).
-    No RoPE or ALiBi with it; dropout's bits are then the tokens' (`hash_dropout`'s order).
+    No RoPE with it; ALiBi's distance is then the tokens' original one (offset 0), dropout's bits
+    the tokens' (`hash_dropout`'s order).
     Inputs are assumed validated (see torch_ref.ops.common.validation).
     """
     B, Sq, Hq, D = q.shape
@@ -958,6 +966,8 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
     alibi_args = _alibi_args(alibi, q)
+    if gather is not None and alibi_args[1]:
+        raise NotImplementedError("ALiBi with an ordering takes the original distance: no offset")
     drop_tables, drop_kw = _dropout_args(dropout, row_map)
     gather_args, gather_kw = _gather_args(gather, q)
     grid = (triton.cdiv(Sq, cfg.block_q), Hq, B)
