@@ -332,65 +332,41 @@ def test_ordering_needs_self_attention_and_refuses_positions(framework):
         f(q, k, v, window=(2, 2), ordering="hilbert", q_offset=3, kv_offset=3)
 
 
-@pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_ordered_alibi_takes_the_original_distance(framework):
-    """ALiBi under an ordering penalises the tokens' original distance |pi[t] - pi[u]|: with a
-    window wider than the sequence (ordered, every key visible) the call equals unordered ALiBi
-    attention, out and gradients, on the kernels and on the composite; a narrow window differs."""
-    lib = jax_attn if framework == "jax" else torch_ref
-    q, k, v = _inputs(framework, (2, 30, 4, 2, 16))
+def _feature_kwargs(framework, feature):
+    """flash_attention's arguments of a feature that follows the tokens under an ordering."""
+    if feature == "dropout":
+        return dict(dropout_rate=0.3, **({"dropout_key": jax.random.key(7)} if framework == "jax"
+                                         else {"dropout_seed": 7}))
     slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
-    if framework == "jax":
-        kw = dict(alibi_slopes=jnp.asarray(slopes), causal=True)
-
-        def run(impl, **extra):
-            f = lambda q, k, v: lib.flash_attention(q, k, v, implementation=impl, **kw, **extra)
-            out, vjp = jax.vjp(f, q, k, v)
-            return [np.asarray(x) for x in (out, *vjp(jnp.ones_like(out)))]
-    else:
-        kw = dict(alibi_slopes=torch.tensor(slopes), causal=True)
-
-        def run(impl, **extra):
-            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-            out = lib.flash_attention(*leaves, implementation=impl, **kw, **extra)
-            return [_np(x) for x in (out, *torch.autograd.grad(out.sum(), leaves))]
-    for impl in ("triton", "xla" if framework == "jax" else "eager"):
-        plain = run(impl)
-        wide = run(impl, window=(30, 30), ordering="hilbert", grid=(5, 6))
-        for got, want in zip(wide, plain):
-            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)  # a few ulps of values up to 8
-        narrow = run(impl, window=(3, 3), ordering="hilbert", grid=(5, 6))
-        assert np.abs(narrow[0] - plain[0]).max() > 1e-2  # the window on the ordered sequence took effect
+    return dict(alibi_slopes=jnp.asarray(slopes) if framework == "jax" else torch.tensor(slopes))
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
-def test_ordered_dropout_is_the_unordered_mask(framework):
-    """Dropout under an ordering drops the pairs of tokens that the unordered call drops: with a
-    window wider than the sequence (ordered, every key visible) the call equals the unordered one
-    with the same seed, on the kernels and on the composite, out and gradients."""
+@pytest.mark.parametrize("feature, ordering", [("dropout", "zorder"), ("alibi", "hilbert")])
+def test_ordered_features_follow_the_tokens(framework, feature, ordering):
+    """Dropout under an ordering drops the pairs of tokens that the unordered call drops, and ALiBi
+    penalises the tokens' original distance |pi[t] - pi[u]|: with a window wider than the sequence
+    (ordered, every key visible) the call equals the unordered one (the same seed, the same slopes),
+    on the kernels and on the composite, out and gradients; a narrow window differs."""
     lib = jax_attn if framework == "jax" else torch_ref
     q, k, v = _inputs(framework, (2, 30, 4, 2, 16))
+    kw = dict(causal=True, **_feature_kwargs(framework, feature))
     if framework == "jax":
-        key = jax.random.key(7)
-        kw = dict(dropout_rate=0.3, dropout_key=key, causal=True)
-
         def run(impl, **extra):
             f = lambda q, k, v: lib.flash_attention(q, k, v, implementation=impl, **kw, **extra)
             out, vjp = jax.vjp(f, q, k, v)
             return [np.asarray(x) for x in (out, *vjp(jnp.ones_like(out)))]
     else:
-        kw = dict(dropout_rate=0.3, dropout_seed=7, causal=True)
-
         def run(impl, **extra):
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
             out = lib.flash_attention(*leaves, implementation=impl, **kw, **extra)
             return [_np(x) for x in (out, *torch.autograd.grad(out.sum(), leaves))]
     for impl in ("triton", "xla" if framework == "jax" else "eager"):
         plain = run(impl)
-        wide = run(impl, window=(30, 30), ordering="zorder", grid=(5, 6))
+        wide = run(impl, window=(30, 30), ordering=ordering, grid=(5, 6))
         for got, want in zip(wide, plain):
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)  # a few ulps of values up to 8
-        narrow = run(impl, window=(3, 3), ordering="zorder", grid=(5, 6))
+        narrow = run(impl, window=(3, 3), ordering=ordering, grid=(5, 6))
         assert np.abs(narrow[0] - plain[0]).max() > 1e-2  # the window on the ordered sequence took effect
 
 
