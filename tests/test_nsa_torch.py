@@ -6,6 +6,12 @@ plain recomputation, nsa_attention with gates, fully masked rows, determinism an
 error. `gpu` tests: compiled kernels at realistic shapes."""
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -576,3 +582,22 @@ def test_nsa_short_sequences(S):
             _check([names[i] for i in keep], fast, naive_, gold_, torch.float32)
         else:
             _check(names, fast, naive, gold, torch.float32)
+
+
+def test_fp32_dkdv_tiles_meet_the_accumulator_once(tmp_path):
+    """The dK/dV kernel's fp32 products start from a zero Triton does not fold away: in TTIR (sm_90,
+    compiled on the CPU by scripts/torch_ttir.py) the dk and dv dots accumulate into `acc * 0`, and
+    one add meets the accumulator. Folded, the GPU's fp32 dot is an FMA chain from the accumulator,
+    which took dk of an fp32 GQA-16 case to 1.5x the parity rule's allowance (docs/design/nsa.md).
+    16-bit inputs keep the accumulating MMA."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "scripts" / "torch_ttir.py"), str(tmp_path), "--nsa-only"],
+                   check=True, capture_output=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+
+    def accumulators(dtype):  # for each tt.dot: the op that defines its accumulator (None: a block argument)
+        text = (tmp_path / f"nsa_blocks16_{dtype}___dkv_kernel.ttir").read_text()
+        defs = dict(re.findall(r"(%[\w.]+) = ([\w.]+) ", text))
+        return [defs.get(acc) for acc in re.findall(r"= tt\.dot %[\w.]+, %[\w.]+, (%[\w.]+) ", text)]
+
+    assert accumulators("float32").count("arith.mulf") == 2  # dk and dv
+    assert "arith.mulf" not in accumulators("float16")

@@ -345,16 +345,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs,
     tile.store(dq_ref, dq * st.scale)
 
 
+def _add_tile(acc, part, exact: bool):
+    """acc + part, a dot's tile. exact (fp32 inputs): part gets a zero that Triton's dot-add folding
+    cannot see as one (acc * 0), so the tile's products are summed from zero and meet acc in one
+    rounding; folded, the GPU's fp32 dot adds each product to acc in turn, an FMA chain as long as
+    the rows visited (docs/design/nsa.md)."""
+    return acc + (part + acc * 0.0) if exact else acc + part
+
+
 def _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry):
     """One (key tile, query token) step of dK/dV: s = k q^T [keys, rows]; rows beyond the group
     (repeated copies) carry inv_l = 0, so P = 0 there."""
     dk, dv = carry
     s = _dot(k, q, st, trans_b=True) * (st.scale * LOG2E)
     p = jnp.where(mask, jnp.exp2(s - m2[None, :]) * inv_l[None, :], 0.0)
-    dv = dv + _dot(p.astype(do.dtype), do, st)
+    exact = q.dtype == jnp.float32
+    dv = _add_tile(dv, _dot(p.astype(do.dtype), do, st), exact)
     dp = _dot(v, do, st, trans_b=True)
     ds = p * (dp - delta[None, :])
-    return dk + _dot(ds.astype(q.dtype), q, st), dv
+    return _add_tile(dk, _dot(ds.astype(q.dtype), q, st), exact), dv
 
 
 def _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref):

@@ -291,6 +291,18 @@ def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, COUNTS, SEG,
 
 
 @triton.jit
+def _add_tile(acc, a, b, PRECISION: tl.constexpr):
+    """acc + a @ b. With fp32 inputs the product starts from a zero that Triton's dot-add folding
+    cannot see as one (acc * 0), so a tile's products are summed from zero and meet acc in one
+    rounding; folded, the GPU's fp32 dot adds each product to acc in turn, an FMA chain as long as
+    the rows visited (docs/design/nsa.md). 16-bit inputs keep the accumulating MMA."""
+    if a.dtype == tl.float32:
+        return acc + tl.dot(a, b, acc * 0.0, input_precision=PRECISION)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _dkv_kernel(Q, K, V, DO, M2, INV_L, DELTA, SEG, TOK, LO, HI, CHUNK_TILE, CHUNK_START, CHUNK_END, DKP, DVP,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sds, sdh, sdd, ssb, sss,
                 S, Hq, Hkv, NT, GROUP, score_mul, scale,
@@ -342,10 +354,10 @@ def _dkv_kernel(Q, K, V, DO, M2, INV_L, DELTA, SEG, TOK, LO, HI, CHUNK_TILE, CHU
             vis = vis & (qs[:, None] == ks[None, :])
         s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
         p = tl.where(vis, tl.exp2(s2 - m2[:, None]) * inv_l[:, None], 0.0)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
+        dv = _add_tile(dv, tl.trans(p.to(do.dtype)), do, PRECISION)
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
+        dk = _add_tile(dk, tl.trans(ds.to(q.dtype)), q, PRECISION)
     out = c * BLOCK_N * BLOCK_D + tl.arange(0, BLOCK_N)[:, None] * BLOCK_D + d[None, :]
     tl.store(DKP + out, dk * scale)
     tl.store(DVP + out, dv)
