@@ -59,7 +59,8 @@ class NSABlockSizes:
     tokens / tokens_dq: query tokens per forward / dQ program, at most 16: the tile's rows are
     these tokens x the group's heads and the program walks the union of their blocks once, so
     neighbours that share blocks share their loads (None: the group decides, about 64 rows on a
-    GPU; ranges: one token a program). block_k_ranges: the key tile of the ranges form (the
+    GPU; ranges: one token a forward / dQ program, and `tokens` tokens a step of their dK/dV
+    program). block_k_ranges: the key tile of the ranges form (the
     block lists walk blocks of `block_size`). The backward kernels launch with num_warps_bwd,
     num_stages_bwd. dK/dV of the block lists: a program takes at most chunk_dkdv of a block's
     tokens (a block every token selects, block 0, becomes many programs: no program walks the
@@ -455,8 +456,9 @@ def _work_items(offsets, num_blocks: int, chunk: int, num_items: int):
 
 def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs,
                         st: _Static):
-    """One program per (key tile, batch, kv head): walks the tokens that may see the tile, skipping
-    those none of whose ranges meet it."""
+    """One program per (key tile, batch, kv head): walks the tokens that may see the tile in steps
+    of T consecutive tokens (`tokens`; their group rows are one tile of T * G rows), skipping the
+    steps none of whose ranges meet the tile; with fewer than 16 such rows, one token a step."""
     seg_ref = refs[0] if st.has_segments else None
     dk_ref, dv_ref = refs[-2:]
     width, head_dim = k_ref.shape
@@ -465,23 +467,53 @@ def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_r
     cols = start + jnp.arange(width)
     kv_seg = seg_ref[pl.ds(start, width)] if st.has_segments else None
     num_ranges = ranges_ref.shape[1]
+    step_tokens = st.blocks.tokens
+    rows = step_tokens * st.group
+    any_of = lambda xs: functools.reduce(jnp.logical_or, xs)
 
-    def step(t, carry):
-        bounds = [(ranges_ref[t, r, 0], ranges_ref[t, r, 1]) for r in range(num_ranges)]
-        touch = functools.reduce(jnp.logical_or, [(lo < start + width) & (hi > start) & (hi > lo)
-                                                  for lo, hi in bounds])
+    def meets(lo, hi):  # the range [lo, hi) is not empty and overlaps the key tile
+        return (lo < start + width) & (hi > start) & (hi > lo)
 
-        def visit(c):
-            rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
-            inside = functools.reduce(jnp.logical_or, [(cols >= lo) & (cols < hi) for lo, hi in bounds])
-            q_seg = seg_ref[t] if st.has_segments else None
-            mask = (_mask(st, t, cols, q_seg, kv_seg) & inside)[:, None]
-            return _dkdv_tile(st, k, v, *rows, mask, c)
+    if rows < MIN_BLOCK:
+        def step(t, carry):
+            bounds = [(ranges_ref[t, r, 0], ranges_ref[t, r, 1]) for r in range(num_ranges)]
 
-        return jax.lax.cond(touch, visit, lambda c: c, carry)
+            def visit(c):
+                token_rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
+                inside = any_of([(cols >= lo) & (cols < hi) for lo, hi in bounds])
+                q_seg = seg_ref[t] if st.has_segments else None
+                mask = (_mask(st, t, cols, q_seg, kv_seg) & inside)[:, None]
+                return _dkdv_tile(st, k, v, *token_rows, mask, c)
+
+            return jax.lax.cond(any_of([meets(lo, hi) for lo, hi in bounds]), visit, lambda c: c, carry)
+
+        first_step, steps = (start if st.causal else 0), st.seq_len
+    else:
+        spread = lambda x: jnp.broadcast_to(x[:, None], (step_tokens, st.group)).reshape(rows)
+
+        def step(i, carry):
+            tokens = pl.ds(pl.multiple_of(i * step_tokens, step_tokens), step_tokens)
+            bounds = [(ranges_ref[tokens, r, 0], ranges_ref[tokens, r, 1]) for r in range(num_ranges)]
+            touch = any_of([meets(lo, hi) for lo, hi in bounds]).astype(jnp.int32).max() > 0
+
+            def visit(c):
+                q = q_ref[tokens].reshape(rows, head_dim)  # the tokens' group rows, one tile
+                do = do_ref[tokens].reshape(rows, head_dim)
+                m2, inv_l, delta = (r[tokens].reshape(rows) for r in (m2_ref, inv_l_ref, delta_ref))
+                inside = any_of([(cols[:, None] >= spread(lo)[None, :]) & (cols[:, None] < spread(hi)[None, :])
+                                 for lo, hi in bounds])
+                pos = spread(i * step_tokens + jnp.arange(step_tokens))[None, :]
+                q_seg = spread(seg_ref[tokens])[None, :] if st.has_segments else None
+                mask = _mask(st, pos, cols[:, None], q_seg, kv_seg[:, None] if st.has_segments else None) & inside
+                return _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, c)
+
+            return jax.lax.cond(touch, visit, lambda c: c, carry)
+
+        # causal: the first step holds the tile's first key as a token (earlier tokens see none of it)
+        first_step, steps = (start // step_tokens if st.causal else 0), st.length // step_tokens
 
     carry = (jnp.zeros((width, head_dim), jnp.float32),) * 2
-    dk, dv = jax.lax.fori_loop(start if st.causal else 0, st.seq_len, step, carry)
+    dk, dv = jax.lax.fori_loop(first_step, steps, step, carry)
     dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
