@@ -50,6 +50,7 @@ warnings.filterwarnings(
 
 
 MAX_TOKENS = 16  # tokens of a forward / dQ tile: one bit each in the union's int32 masks
+RANGES_DKDV_PROGRAMS = 256  # the ranges dK/dV splits its token walk until about this many programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,6 +437,16 @@ def _sum_items_kernel(item_start_ref, item_count_ref, dk_part_ref, dv_part_ref, 
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _sum_chunks_kernel(dk_parts_ref, dv_parts_ref, dk_ref, dv_ref):
+    """One program per (16 key rows, batch, kv head): its chunks' dK/dV summed in chunk order."""
+    def add(c, carry):
+        return carry[0] + dk_parts_ref[c], carry[1] + dv_parts_ref[c]
+
+    dk, dv = jax.lax.fori_loop(1, dk_parts_ref.shape[0], add, (dk_parts_ref[0], dv_parts_ref[0]))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
 def _work_items(offsets, num_blocks: int, chunk: int, num_items: int):
     """Split every key block's token list (offsets [B, Hkv, nb + 1]) into chunks of at most
     `chunk` tokens, at least one per block -> (item block, item lo, item hi [B, Hkv, W]; first item
@@ -455,14 +466,16 @@ def _work_items(offsets, num_blocks: int, chunk: int, num_items: int):
 
 
 def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs,
-                        st: _Static):
-    """One program per (key tile, batch, kv head): walks the tokens that may see the tile in steps
-    of T consecutive tokens (`tokens`; their group rows are one tile of T * G rows), skipping the
-    steps none of whose ranges meet the tile; with fewer than 16 such rows, one token a step."""
+                        st: _Static, chunks: int):
+    """One program per (key tile, chunk of the token steps, batch, kv head): walks the tokens that
+    may see the tile in steps of T consecutive tokens (`tokens`; their group rows are one tile of
+    T * G rows), skipping the steps none of whose ranges meet the tile; with fewer than 16 such
+    rows, one token a step. With chunks > 1 it writes the chunk's dK/dV in fp32 (summed after)."""
     seg_ref = refs[0] if st.has_segments else None
     dk_ref, dv_ref = refs[-2:]
     width, head_dim = k_ref.shape
-    start = pl.program_id(0) * width
+    chunk = pl.program_id(0) % chunks
+    start = (pl.program_id(0) // chunks) * width
     k, v = k_ref[...], v_ref[...]
     cols = start + jnp.arange(width)
     kv_seg = seg_ref[pl.ds(start, width)] if st.has_segments else None
@@ -487,7 +500,7 @@ def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_r
 
             return jax.lax.cond(any_of([meets(lo, hi) for lo, hi in bounds]), visit, lambda c: c, carry)
 
-        first_step, steps = (start if st.causal else 0), st.seq_len
+        first_step, steps = (start if st.causal else 0), _ranges_dkdv_steps(st)
     else:
         spread = lambda x: jnp.broadcast_to(x[:, None], (step_tokens, st.group)).reshape(rows)
 
@@ -510,12 +523,19 @@ def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_r
             return jax.lax.cond(touch, visit, lambda c: c, carry)
 
         # causal: the first step holds the tile's first key as a token (earlier tokens see none of it)
-        first_step, steps = (start // step_tokens if st.causal else 0), st.length // step_tokens
+        first_step, steps = (start // step_tokens if st.causal else 0), _ranges_dkdv_steps(st)
 
+    per_chunk = pl.cdiv(steps, chunks)
     carry = (jnp.zeros((width, head_dim), jnp.float32),) * 2
-    dk, dv = jax.lax.fori_loop(first_step, steps, step, carry)
+    dk, dv = jax.lax.fori_loop(jnp.maximum(first_step, chunk * per_chunk),
+                               jnp.minimum(steps, (chunk + 1) * per_chunk), step, carry)
     dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _ranges_dkdv_steps(st: _Static) -> int:
+    """Token steps of a ranges dK/dV program: T tokens a step, or one when T * G < 16 rows."""
+    return st.seq_len if st.blocks.tokens * st.group < MIN_BLOCK else st.length // st.blocks.tokens
 
 
 def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
@@ -543,16 +563,37 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
     stat_all = pl.BlockSpec((None, None, length, group), lambda j, b, h: (b, h, 0, 0))
     kv_block = pl.BlockSpec((None, width, None, head_dim), lambda j, b, h: (b, j, h, 0))
     kv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    if st.ranges:  # dK/dV: one program per key tile, walking the tokens that may see it
+    if st.ranges:  # dK/dV: programs per key tile, each walking a chunk of the tokens that may see it
         r = sel[0].shape[3]
+        tiles = length // width
+        # short sequences have few key tiles: chunks of the token walk keep the GPU busy (a power
+        # of two: a block of the partials' sum)
+        chunks = max(1, min(_ranges_dkdv_steps(st), RANGES_DKDV_PROGRAMS // (tiles * batch * kv_heads)))
+        chunks = 1 << (chunks.bit_length() - 1)
         ranges_spec = pl.BlockSpec((None, length, None, r, 2), lambda j, b, h: (b, 0, h, 0, 0))
+        tile_of = lambda j, b, h: (b, j // chunks, h, 0)
+        kv_tile = pl.BlockSpec((None, width, None, head_dim), tile_of)
+        if chunks == 1:
+            out_spec, out_shapes = kv_tile, kv_shapes
+        else:  # [B, chunks, L, Hkv, D] fp32 partials, summed below in chunk order
+            out_spec = pl.BlockSpec((None, None, width, None, head_dim),
+                                    lambda j, b, h: (b, j % chunks, j // chunks, h, 0))
+            out_shapes = [jax.ShapeDtypeStruct((batch, chunks, *x.shape[1:]), jnp.float32) for x in kv_shapes]
         dk, dv = pl.pallas_call(
-            functools.partial(_dkdv_ranges_kernel, st=st),
-            grid=(length // width, batch, kv_heads),
-            in_specs=[ranges_spec, q_all, kv_block, kv_block, q_all, stat_all, stat_all, stat_all, *seg_specs],
-            out_specs=[kv_block, kv_block], out_shape=kv_shapes,
+            functools.partial(_dkdv_ranges_kernel, st=st, chunks=chunks),
+            grid=(tiles * chunks, batch, kv_heads),
+            in_specs=[ranges_spec, q_all, kv_tile, kv_tile, q_all, stat_all, stat_all, stat_all, *seg_specs],
+            out_specs=[out_spec, out_spec], out_shape=out_shapes,
             compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv_ranges",
         )(*sel, q, k, v, do, m2, inv_l, delta, *seg_args)
+        if chunks > 1:  # the partials added in chunk order (deterministic), 16 key rows a program
+            parts_spec = pl.BlockSpec((None, chunks, MIN_BLOCK, None, head_dim), lambda j, b, h: (b, 0, j, h, 0))
+            rows_spec = pl.BlockSpec((None, MIN_BLOCK, None, head_dim), lambda j, b, h: (b, j, h, 0))
+            dk, dv = pl.pallas_call(
+                _sum_chunks_kernel, grid=(length // MIN_BLOCK, batch, kv_heads), in_specs=[parts_spec, parts_spec],
+                out_specs=[rows_spec, rows_spec], out_shape=kv_shapes,
+                compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv_ranges_sum",
+            )(dk, dv)
         return dq, dk, dv
 
     # dK/dV of the block lists: the transpose plan, cut into work items of at most chunk_dkdv
