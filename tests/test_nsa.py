@@ -150,7 +150,8 @@ def test_selection_segments_and_not_causal():
 @pytest.mark.parametrize("causal", [True, False])
 def test_selection_ranges(causal, tokens):
     """Overlapping, empty and out-of-order ranges: their union, each key once. tokens=None: the
-    dK/dV program steps over several tokens' rows at a time; 1: one token a step."""
+    forward and dQ programs take several tokens (the scan of their key tiles); 1: one token walking
+    its own ranges."""
     rng = np.random.default_rng(3)
     batch, seq_len, heads, kv_heads, head_dim = 1, 35, 4, 2, 16
     arrays = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
@@ -160,7 +161,7 @@ def test_selection_ranges(causal, tokens):
     ranges = np.minimum(ranges, seq_len)
     ranges[0, 5, 0, 1] = (7, 7)  # empty
     ids = jnp.asarray(np.sort(rng.integers(0, 2, (batch, seq_len)), axis=1), jnp.int32)
-    config = jax_attn.NSABlockSizes(tokens=tokens, block_k_ranges=16)
+    config = jax_attn.NSABlockSizes(tokens=tokens, tokens_dq=tokens, block_k_ranges=16)
     fn = lambda impl, q, k, v: selection_attention(q, k, v, ranges=jnp.asarray(ranges, jnp.int32), causal=causal,
                                                    segment_ids=ids, return_lse=True, implementation=impl,
                                                    config=config if impl == "triton" else None)

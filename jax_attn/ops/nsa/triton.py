@@ -51,6 +51,7 @@ warnings.filterwarnings(
 
 MAX_TOKENS = 16  # tokens of a forward / dQ tile: one bit each in the union's int32 masks
 RANGES_DKDV_PROGRAMS = 256  # the ranges dK/dV splits its token walk until about this many programs
+RANGES_SCAN_KEYS = 4096  # ranges: up to this length, forward / dQ programs take several tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +61,16 @@ class NSABlockSizes:
     tokens / tokens_dq: query tokens per forward / dQ program, at most 16: the tile's rows are
     these tokens x the group's heads and the program walks the union of their blocks once, so
     neighbours that share blocks share their loads (None: the group decides, about 64 rows on a
-    GPU; ranges: one token a forward / dQ program, and `tokens` tokens a step of their dK/dV
-    program). block_k_ranges: the key tile of the ranges form (the
-    block lists walk blocks of `block_size`). The backward kernels launch with num_warps_bwd,
-    num_stages_bwd. dK/dV of the block lists: a program takes at most chunk_dkdv of a block's
-    tokens (a block every token selects, block 0, becomes many programs: no program walks the
-    whole sequence), tokens_dkdv of them per step (> 1: their group rows gathered into one tile,
-    tokens_dkdv * G rows; 1: one token's rows per step, repeated to 16 rows when the group is
-    smaller). Powers of two."""
+    GPU). Ranges: T > 1 tokens scan the key tiles from their lowest start to their highest end,
+    skipping those no range meets; one token walks only its own ranges (None: the group decides
+    up to RANGES_SCAN_KEYS tokens, one token beyond). block_k_ranges: the key tile of the ranges
+    form (the block lists walk blocks of `block_size`). The backward kernels launch with
+    num_warps_bwd, num_stages_bwd. dK/dV of the block lists: a program takes at most chunk_dkdv
+    of a block's tokens (a block every token selects, block 0, becomes many programs: no program
+    walks the whole sequence), tokens_dkdv of them per step (> 1: their group rows gathered into
+    one tile, tokens_dkdv * G rows; 1: one token's rows per step, repeated to 16 rows when the
+    group is smaller). dK/dV of ranges: steps of tokens_dkdv consecutive tokens (1: the group
+    decides), at least 16 rows. Powers of two."""
 
     tokens: int | None = None
     tokens_dq: int | None = None
@@ -192,11 +195,29 @@ class _Tile:
         ref[...] = x.reshape(ref.shape).astype(ref.dtype)
 
 
+def _range_bounds(ranges_ref, tokens=0):
+    """[(start, end)] of each range slot of `tokens` (an index, or a slice: vectors)."""
+    return [(ranges_ref[tokens, r, 0], ranges_ref[tokens, r, 1]) for r in range(ranges_ref.shape[1])]
+
+
+def _inside(cols, bounds):
+    """Keys `cols` inside some range of `bounds` (operands broadcast against cols)."""
+    return functools.reduce(jnp.logical_or, [(cols >= lo) & (cols < hi) for lo, hi in bounds])
+
+
+def _meets_any(bounds, start, width):
+    """Does some non-empty range of `bounds` (vectors) overlap the keys [start, start + width)?"""
+    meets = [(lo < start + width) & (hi > start) & (hi > lo) for lo, hi in bounds]
+    return functools.reduce(jnp.logical_or, meets).astype(jnp.int32).max() > 0
+
+
 def _walk(st, tile, sel, body, carry):
     """Run `body(start, extra_mask, carry)` over the key blocks of the program's tokens.
     Lists: the union of its tokens' canonical blocks (`plan.tile_union`), each once, with the
-    rows of the tokens that selected it (extra_mask [rows, 1]). Ranges (one token a program):
-    the key tiles of each disjoint range, masked to it (extra_mask [1, width])."""
+    rows of the tokens that selected it (extra_mask [rows, 1]). Ranges, one token a program: the
+    key tiles of each disjoint range, masked to it (extra_mask [1, width]); T tokens: the key
+    tiles from their lowest start to their highest end, skipping those no range meets, each
+    masked to the ranges of every row's token (extra_mask [rows, width])."""
     width = st.block_size
     if not st.ranges:
         union_ref, member_ref, count_ref = sel
@@ -207,6 +228,8 @@ def _walk(st, tile, sel, body, carry):
 
         return jax.lax.fori_loop(0, count_ref[pl.program_id(0)], block, carry)
     (ranges_ref,) = sel
+    if tile.tokens > 1:
+        return _walk_ranges_tokens(st, tile, ranges_ref, body, carry)
 
     def one_range(r, c):
         lo, hi = ranges_ref[0, r, 0], ranges_ref[0, r, 1]
@@ -221,6 +244,24 @@ def _walk(st, tile, sel, body, carry):
         return jax.lax.fori_loop(first, last, key_tile, c)
 
     return jax.lax.fori_loop(0, ranges_ref.shape[1], one_range, carry)
+
+
+def _walk_ranges_tokens(st, tile, ranges_ref, body, carry):
+    width = st.block_size
+    bounds = _range_bounds(ranges_ref, slice(None))  # [T] vectors
+    rows_of = lambda x: _spread(jnp.broadcast_to(x[:, None], (tile.tokens, st.group)).reshape(tile.real),
+                                tile.rows)[:, None]
+    row_bounds = [(rows_of(lo), rows_of(hi)) for lo, hi in bounds]  # [rows, 1]: each row's token's
+    first = functools.reduce(jnp.minimum, [jnp.where(hi > lo, lo, st.length).min() for lo, hi in bounds])
+    last = functools.reduce(jnp.maximum, [jnp.where(hi > lo, hi, 0).max() for lo, hi in bounds])
+
+    def key_tile(j, c):
+        start = pl.multiple_of(j * width, width)
+        visit = lambda c2: body(start, _inside((start + jnp.arange(width))[None, :], row_bounds), c2)
+        return jax.lax.cond(_meets_any(bounds, start, width), visit, lambda c2: c2, c)
+
+    # no range at all: first = length > last = 0, an empty walk
+    return jax.lax.fori_loop(first // width, (last + width - 1) // width, key_tile, carry)
 
 
 def _split_refs(refs, st):
@@ -283,7 +324,7 @@ def _sel_args(st, sel, tokens):
     union of the tile's blocks (lists) or its token's ranges."""
     if st.ranges:
         r = sel[0].shape[3]
-        return [pl.BlockSpec((None, 1, None, r, 2), lambda i, b, h: (b, i, h, 0, 0))], list(sel)
+        return [pl.BlockSpec((None, tokens, None, r, 2), lambda i, b, h: (b, i, h, 0, 0))], list(sel)
     union, member, counts = plan.tile_union(sel[0], tokens)
     size, programs = union.shape[3], union.shape[1]
     list_spec = pl.BlockSpec((None, None, None, size), lambda i, b, h: (b, i, h, 0))
@@ -297,15 +338,10 @@ def _seg_specs(st, seg):
     return [pl.BlockSpec((None, st.length), lambda *g: (g[1], 0))], [seg]
 
 
-def _tokens(st, tokens):
-    """Tokens per forward / dQ program: one with ranges (each token its own ranges)."""
-    return 1 if st.ranges else tokens
-
-
 def _fwd_call(st: _Static, q, k, v, sel, seg):
     """q [B, L, Hkv, G, D] -> out (same), m2, inv_l, lse [B, Hkv, L, G] fp32."""
     batch, length, kv_heads, group, head_dim = q.shape
-    tokens = _tokens(st, st.blocks.tokens)
+    tokens = st.blocks.tokens
     seg_specs, seg_args = _seg_specs(st, seg)
     sel_specs, sel_args = _sel_args(st, sel, tokens)
     q_spec = pl.BlockSpec((None, tokens, None, group, head_dim), lambda i, b, h: (b, i, h, 0, 0))
@@ -468,9 +504,9 @@ def _work_items(offsets, num_blocks: int, chunk: int, num_items: int):
 def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta_ref, *refs,
                         st: _Static, chunks: int):
     """One program per (key tile, chunk of the token steps, batch, kv head): walks the tokens that
-    may see the tile in steps of T consecutive tokens (`tokens`; their group rows are one tile of
-    T * G rows), skipping the steps none of whose ranges meet the tile; with fewer than 16 such
-    rows, one token a step. With chunks > 1 it writes the chunk's dK/dV in fp32 (summed after)."""
+    may see the tile in steps of T consecutive tokens (`tokens_dkdv`; their group rows are one tile
+    of T * G >= 16 rows), skipping the steps none of whose ranges meet the tile. With chunks > 1 it
+    writes the chunk's dK/dV in fp32 (summed after)."""
     seg_ref = refs[0] if st.has_segments else None
     dk_ref, dv_ref = refs[-2:]
     width, head_dim = k_ref.shape
@@ -479,63 +515,34 @@ def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_r
     k, v = k_ref[...], v_ref[...]
     cols = start + jnp.arange(width)
     kv_seg = seg_ref[pl.ds(start, width)] if st.has_segments else None
-    num_ranges = ranges_ref.shape[1]
-    step_tokens = st.blocks.tokens
+    step_tokens = st.blocks.tokens_dkdv
     rows = step_tokens * st.group
-    any_of = lambda xs: functools.reduce(jnp.logical_or, xs)
+    spread = lambda x: jnp.broadcast_to(x[:, None], (step_tokens, st.group)).reshape(rows)
 
-    def meets(lo, hi):  # the range [lo, hi) is not empty and overlaps the key tile
-        return (lo < start + width) & (hi > start) & (hi > lo)
+    def step(i, carry):
+        tokens = pl.ds(pl.multiple_of(i * step_tokens, step_tokens), step_tokens)
+        bounds = _range_bounds(ranges_ref, tokens)
 
-    if rows < MIN_BLOCK:
-        def step(t, carry):
-            bounds = [(ranges_ref[t, r, 0], ranges_ref[t, r, 1]) for r in range(num_ranges)]
+        def visit(c):
+            q = q_ref[tokens].reshape(rows, head_dim)  # the tokens' group rows, one tile
+            do = do_ref[tokens].reshape(rows, head_dim)
+            m2, inv_l, delta = (r[tokens].reshape(rows) for r in (m2_ref, inv_l_ref, delta_ref))
+            inside = _inside(cols[:, None], [(spread(lo)[None, :], spread(hi)[None, :]) for lo, hi in bounds])
+            pos = spread(i * step_tokens + jnp.arange(step_tokens))[None, :]
+            q_seg = spread(seg_ref[tokens])[None, :] if st.has_segments else None
+            mask = _mask(st, pos, cols[:, None], q_seg, kv_seg[:, None] if st.has_segments else None) & inside
+            return _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, c)
 
-            def visit(c):
-                token_rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
-                inside = any_of([(cols >= lo) & (cols < hi) for lo, hi in bounds])
-                q_seg = seg_ref[t] if st.has_segments else None
-                mask = (_mask(st, t, cols, q_seg, kv_seg) & inside)[:, None]
-                return _dkdv_tile(st, k, v, *token_rows, mask, c)
+        return jax.lax.cond(_meets_any(bounds, start, width), visit, lambda c: c, carry)
 
-            return jax.lax.cond(any_of([meets(lo, hi) for lo, hi in bounds]), visit, lambda c: c, carry)
-
-        first_step, steps = (start if st.causal else 0), _ranges_dkdv_steps(st)
-    else:
-        spread = lambda x: jnp.broadcast_to(x[:, None], (step_tokens, st.group)).reshape(rows)
-
-        def step(i, carry):
-            tokens = pl.ds(pl.multiple_of(i * step_tokens, step_tokens), step_tokens)
-            bounds = [(ranges_ref[tokens, r, 0], ranges_ref[tokens, r, 1]) for r in range(num_ranges)]
-            touch = any_of([meets(lo, hi) for lo, hi in bounds]).astype(jnp.int32).max() > 0
-
-            def visit(c):
-                q = q_ref[tokens].reshape(rows, head_dim)  # the tokens' group rows, one tile
-                do = do_ref[tokens].reshape(rows, head_dim)
-                m2, inv_l, delta = (r[tokens].reshape(rows) for r in (m2_ref, inv_l_ref, delta_ref))
-                inside = any_of([(cols[:, None] >= spread(lo)[None, :]) & (cols[:, None] < spread(hi)[None, :])
-                                 for lo, hi in bounds])
-                pos = spread(i * step_tokens + jnp.arange(step_tokens))[None, :]
-                q_seg = spread(seg_ref[tokens])[None, :] if st.has_segments else None
-                mask = _mask(st, pos, cols[:, None], q_seg, kv_seg[:, None] if st.has_segments else None) & inside
-                return _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, c)
-
-            return jax.lax.cond(touch, visit, lambda c: c, carry)
-
-        # causal: the first step holds the tile's first key as a token (earlier tokens see none of it)
-        first_step, steps = (start // step_tokens if st.causal else 0), _ranges_dkdv_steps(st)
-
+    # causal: the first step holds the tile's first key as a token (earlier tokens see none of it)
+    first_step, steps = (start // step_tokens if st.causal else 0), st.length // step_tokens
     per_chunk = pl.cdiv(steps, chunks)
     carry = (jnp.zeros((width, head_dim), jnp.float32),) * 2
     dk, dv = jax.lax.fori_loop(jnp.maximum(first_step, chunk * per_chunk),
                                jnp.minimum(steps, (chunk + 1) * per_chunk), step, carry)
     dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
-
-
-def _ranges_dkdv_steps(st: _Static) -> int:
-    """Token steps of a ranges dK/dV program: T tokens a step, or one when T * G < 16 rows."""
-    return st.seq_len if st.blocks.tokens * st.group < MIN_BLOCK else st.length // st.blocks.tokens
 
 
 def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
@@ -545,7 +552,7 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
     seg_specs, seg_args = _seg_specs(st, seg)
 
     # dQ: the forward's tiling
-    tokens = _tokens(st, st.blocks.tokens_dq)
+    tokens = st.blocks.tokens_dq
     sel_specs, sel_args = _sel_args(st, sel, tokens)
     q_spec = pl.BlockSpec((None, tokens, None, group, head_dim), lambda i, b, h: (b, i, h, 0, 0))
     kv_spec = pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, h, 0))
@@ -568,7 +575,7 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
         tiles = length // width
         # short sequences have few key tiles: chunks of the token walk keep the GPU busy (a power
         # of two: a block of the partials' sum)
-        chunks = max(1, min(_ranges_dkdv_steps(st), RANGES_DKDV_PROGRAMS // (tiles * batch * kv_heads)))
+        chunks = max(1, min(length // st.blocks.tokens_dkdv, RANGES_DKDV_PROGRAMS // (tiles * batch * kv_heads)))
         chunks = 1 << (chunks.bit_length() - 1)
         ranges_spec = pl.BlockSpec((None, length, None, r, 2), lambda j, b, h: (b, 0, h, 0, 0))
         tile_of = lambda j, b, h: (b, j // chunks, h, 0)
@@ -673,19 +680,25 @@ def selection_pallas(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=No
     group = num_heads // kv_heads
     group_pad, head_pad = pow2_at_least(group, 1), pow2_at_least(head_dim)
     config = config or default_block_sizes(head_pad, interpret, q.dtype)
+    # ranges (and lists of blocks under 16 keys, walked as their ranges)
+    use_ranges = ranges is not None or block_size < MIN_BLOCK
     auto = tokens_for_group(group_pad, interpret)
-    config = dataclasses.replace(config, tokens=config.tokens or auto, tokens_dq=config.tokens_dq or auto)
+    # T tokens of ranges scan the key tiles between their lowest start and highest end: on long
+    # sequences that scan costs more than one token walking only its own ranges
+    auto_walk = 1 if use_ranges and seq_len > RANGES_SCAN_KEYS else auto
+    config = dataclasses.replace(config, tokens=config.tokens or auto_walk, tokens_dq=config.tokens_dq or auto_walk)
     if config.tokens_dkdv > 1:  # gathered rows fill at least the smallest dot
         config = dataclasses.replace(config, tokens_dkdv=max(config.tokens_dkdv, MIN_BLOCK // group_pad))
+    elif use_ranges:  # the ranges dK/dV steps over several tokens' rows at a time
+        config = dataclasses.replace(config, tokens_dkdv=max(auto, MIN_BLOCK // group_pad))
     if ranges is None and block_size < MIN_BLOCK:
         # a dot needs 16 keys: lists of smaller blocks are walked as their ranges (disjoint: the
         # blocks are canonical), in tiles of block_k_ranges
         start = jnp.where(blocks >= 0, blocks * block_size, 0)
         ranges = plan.disjoint_ranges(jnp.stack([start, jnp.where(blocks >= 0, start + block_size, 0)], axis=-1),
                                       seq_len, causal)
-    use_ranges = ranges is not None
     width = config.block_k_ranges if use_ranges else block_size
-    tile = max(width, config.tokens, config.tokens_dq)
+    tile = max(width, config.tokens, config.tokens_dq, config.tokens_dkdv if use_ranges else 1)
     length = pl.cdiv(seq_len, tile) * tile
 
     qg = q.reshape(batch, seq_len, kv_heads, group, head_dim)
