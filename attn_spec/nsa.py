@@ -40,6 +40,9 @@ import numpy as np
 
 LOCAL_BLOCKS = 2  # selection blocks always chosen that end at the query's own block (the paper's 2)
 BRANCHES = ("compression", "selection", "window")  # the gates' last axis, in this order
+# the ranges form up to this many tokens: programs of several tokens scan the key tiles from their
+# ranges' lowest start to their highest end (beyond, one token walks only its own ranges)
+RANGES_SCAN_KEYS = 4096
 
 
 def _int(name: str, value, low: int) -> int:

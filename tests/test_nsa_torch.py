@@ -60,6 +60,7 @@ SELECTION_CASES = [
     ("blocks-group32", 1, 23, 32, 1, 16, 8, 2, "blocks", False, True, torch.float32),  # rows 32: one token a dK/dV step
     ("ranges-gqa2", 1, 53, 4, 2, 16, 16, 3, "ranges", False, True, torch.float32),
     ("ranges-segments-fp16", 2, 41, 2, 1, 24, 16, 4, "ranges", True, True, torch.float16),
+    ("ranges-noncausal-segments-gqa4", 1, 50, 8, 2, 16, 16, 2, "ranges", True, False, torch.float32),
 ]
 
 
@@ -112,6 +113,17 @@ def test_selection_config():
     cfg = torch_ref.NSABlockSizes(block_n=32, block_n_dkv=32, tokens_dkv=1, chunk_dkv=3, num_stages=1)
     fast = _selection_run("triton", torch.float32, *tensors, config=cfg, **kw)
     _check(("out", "lse", "dq", "dk", "dv"), fast, naive, gold, torch.float32)
+
+
+def test_ranges_beyond_the_scan_length(monkeypatch):
+    """Ranges on sequences longer than RANGES_SCAN_KEYS go through their canonical form and the
+    per-token kernels (here the limit is lowered to reach that path at a CPU-sized length)."""
+    monkeypatch.setattr(spec, "RANGES_SCAN_KEYS", 16)
+    tensors, kw = _selection_inputs(2, 41, 2, 1, 24, 16, 4, "ranges", True, seed=11)
+    gold = _selection_run("eager", torch.float64, *tensors, **kw)
+    naive = _selection_run("eager", torch.float16, *tensors, **kw)
+    _check(("out", "lse", "dq", "dk", "dv"), _selection_run("triton", torch.float16, *tensors, **kw), naive, gold,
+           torch.float16)
 
 
 def test_segment_ids_past_int32():

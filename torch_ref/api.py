@@ -434,13 +434,13 @@ def selection_attention(q, k, v, block_indices=None, block_counts=None, *, range
     entry = registry.resolve("nsa", implementation, call)
     config = registry.check_config(entry, config, call)
     S = q.shape[1]
+    if ranges is not None:  # the implementation takes them as they are (or in their canonical form)
+        out, lse = entry.fn("selection_ranges", q, k, v, ranges, causal=causal, scale=scale, segment_ids=segment_ids,
+                            config=config)
+        return (out, lse) if return_lse else out
     with torch.no_grad():  # the canonical form: disjoint ranges, causality folded in
-        if ranges is None:
-            blocks = nsa_ref.canonical_blocks(block_indices, block_counts, block_size, causal, S)
-            spans = nsa_ref.blocks_to_ranges(blocks, block_size, causal, S)
-        else:
-            spans = nsa_ref.canonical_ranges(ranges, causal, S)
-            block_size = None
+        blocks = nsa_ref.canonical_blocks(block_indices, block_counts, block_size, causal, S)
+        spans = nsa_ref.blocks_to_ranges(blocks, block_size, causal, S)
     out, lse = entry.fn("selection", q, k, v, spans, scale=scale, segment_ids=segment_ids, block_size=block_size,
                         config=config)
     return (out, lse) if return_lse else out

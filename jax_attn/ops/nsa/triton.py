@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from attn_spec import nsa as nsa_spec
 from attn_spec.tiles import MIN_BLOCK, check_launch_fields, pow2_at_least
 from jax_attn.ops.common import padding
 from jax_attn.ops.common.spec import LOG2E
@@ -51,7 +52,6 @@ warnings.filterwarnings(
 
 MAX_TOKENS = 16  # tokens of a forward / dQ tile: one bit each in the union's int32 masks
 RANGES_DKDV_PROGRAMS = 256  # the ranges dK/dV splits its token walk until about this many programs
-RANGES_SCAN_KEYS = 4096  # ranges: up to this length, forward / dQ programs take several tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class NSABlockSizes:
     neighbours that share blocks share their loads (None: the group decides, about 64 rows on a
     GPU). Ranges: T > 1 tokens scan the key tiles from their lowest start to their highest end,
     skipping those no range meets; one token walks only its own ranges (None: the group decides
-    up to RANGES_SCAN_KEYS tokens, one token beyond). block_k_ranges: the key tile of the ranges
+    up to `RANGES_SCAN_KEYS` tokens, one token beyond). block_k_ranges: the key tile of the ranges
     form (the block lists walk blocks of `block_size`). The backward kernels launch with
     num_warps_bwd, num_stages_bwd. dK/dV of the block lists: a program takes at most chunk_dkdv
     of a block's tokens (a block every token selects, block 0, becomes many programs: no program
@@ -685,7 +685,7 @@ def selection_pallas(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=No
     auto = tokens_for_group(group_pad, interpret)
     # T tokens of ranges scan the key tiles between their lowest start and highest end: on long
     # sequences that scan costs more than one token walking only its own ranges
-    auto_walk = 1 if use_ranges and seq_len > RANGES_SCAN_KEYS else auto
+    auto_walk = 1 if use_ranges and seq_len > nsa_spec.RANGES_SCAN_KEYS else auto
     config = dataclasses.replace(config, tokens=config.tokens or auto_walk, tokens_dq=config.tokens_dq or auto_walk)
     if config.tokens_dkdv > 1:  # gathered rows fill at least the smallest dot
         config = dataclasses.replace(config, tokens_dkdv=max(config.tokens_dkdv, MIN_BLOCK // group_pad))

@@ -151,6 +151,11 @@ def selection(q, k, v, ranges, *, scale: float, segment_ids=None, block_size=Non
     return masked_attention(q, k, v, vis, scale)
 
 
+def selection_ranges(q, k, v, ranges, *, causal: bool, scale: float, segment_ids=None):
+    """Selection attention over raw ranges [B, S, Hkv, R, 2] (validated): their canonical form."""
+    return selection(q, k, v, canonical_ranges(ranges, causal, q.shape[1]), scale=scale, segment_ids=segment_ids)
+
+
 # ----------------------------------------------------------------------------------------------
 # Compression
 # ----------------------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 MIN_ROWS = 16  # tl.dot's smallest tile side: the padded GQA group
 
-__all__ = ["NSABlockSizes", "default_nsa_block_sizes", "SelectionFn", "CombineFn", "selection", "compression",
+__all__ = ["NSABlockSizes", "default_nsa_block_sizes", "SelectionFn", "RangesScanFn", "CombineFn", "selection",
+           "selection_ranges", "compression",
            "select_blocks", "compress_kv", "combine", "INTERPRETED"]
 
 
@@ -388,6 +389,219 @@ def _dkv_sum_kernel(DKP, DVP, TILE_CHUNKS, DK, DV, sdkb, sdks, sdkh, sdkd, sdvb,
 
 
 # ----------------------------------------------------------------------------------------------
+# Ranges on short sequences (up to spec.RANGES_SCAN_KEYS tokens): programs of T consecutive tokens
+# scan the key tiles between their ranges' lowest start and highest end, a key visible to a row when
+# some range of the row's token holds it (the union: raw ranges, no canonical form), tiles no range
+# meets skipped. dK/dV: key tiles walking the tokens in steps of T, the walk cut into chunks whose
+# fp32 partials `_dkv_sum_kernel` adds in order. No plan, no host synchronisation.
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _scan_rows(t0, S, GROUP, GP: tl.constexpr, ROWS: tl.constexpr):
+    """Rows of a scan tile: ROWS // GP consecutive tokens from t0, each with its padded group's GP
+    heads -> (token [rows], head within the group [rows], row mask)."""
+    i = tl.arange(0, ROWS)
+    tok = t0 + i // GP
+    head = i % GP
+    return tok, head, (tok < S) & (head < GROUP)
+
+
+@triton.jit
+def _scan_visible(RANGES, b, g, tok, ok, cols, S, NR, srb, srs, srh, srr, src, CAUSAL: tl.constexpr):
+    """[rows, N]: key cols some range of the row's token holds, inside the sequence (and causal)."""
+    r_base = RANGES + b * srb + tok * srs + g * srh
+    inside = tl.zeros((tok.shape[0], cols.shape[0]), dtype=tl.int32)
+    for r in range(NR):
+        lo = tl.load(r_base + r * srr, mask=ok, other=0)
+        hi = tl.load(r_base + r * srr + src, mask=ok, other=0)
+        inside = inside | ((cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])).to(tl.int32)
+    vis = (inside != 0) & ok[:, None] & (cols < S)[None, :]
+    if CAUSAL:
+        vis = vis & (cols[None, :] <= tok[:, None])
+    return vis
+
+
+@triton.jit
+def _scan_bounds(RANGES, b, g, tok, ok, S, NR, srb, srs, srh, srr, src, CAUSAL: tl.constexpr):
+    """[lowest start, highest end) of the non-empty ranges of the tile's tokens (clipped to the
+    sequence and, causal, to the token); start >= end when there is none."""
+    r_base = RANGES + b * srb + tok * srs + g * srh
+    first = S + 0
+    last = S - S
+    for r in range(NR):
+        lo = tl.maximum(tl.load(r_base + r * srr, mask=ok, other=0), 0)
+        hi = tl.minimum(tl.load(r_base + r * srr + src, mask=ok, other=0), S)
+        if CAUSAL:
+            hi = tl.minimum(hi, tok + 1)
+        some = ok & (hi > lo)
+        first = tl.minimum(first, tl.min(tl.where(some, lo, S)))
+        last = tl.maximum(last, tl.max(tl.where(some, hi, 0)))
+    return first, last
+
+
+@triton.jit
+def _scan_key_tile(K, V, SEG, b, g, cols, d, d_ok, skb, sks, skh, skd, svb, svs, svh, svd, ssb, sss, S,
+                   HAS_SEGMENTS: tl.constexpr):
+    """Keys and values at cols [N, D] (zero past the sequence) and their segment ids (0 without)."""
+    c_ok = cols < S
+    mask = c_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + b * skb + g * skh + cols[:, None] * sks + d[None, :] * skd, mask=mask, other=0.0)
+    v = tl.load(V + b * svb + g * svh + cols[:, None] * svs + d[None, :] * svd, mask=mask, other=0.0)
+    ks = 0
+    if HAS_SEGMENTS:
+        ks = tl.load(SEG + b * ssb + cols * sss, mask=c_ok, other=0)
+    return k, v, ks
+
+
+@triton.jit
+def _scan_fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
+                     sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
+                     srb, srs, srh, srr, src, ssb, sss, S, Hq, GROUP, NR, score_mul,
+                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """grid (cdiv(S, T), Hkv, B): the forward of T tokens x the group (`_fwd_kernel`'s outputs)."""
+    g = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    tok, head, ok = _scan_rows(tl.program_id(0) * (ROWS // GP), S, GROUP, GP, ROWS)  # int32: S is short
+    hq = g * GROUP + head
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    rd_ok = ok[:, None] & d_ok[None, :]
+    q = tl.load(_heads_at(Q, b, tok, hq, d, sqb, sqs, sqh, sqd, True), mask=rd_ok, other=0.0)
+    qs = 0
+    if HAS_SEGMENTS:
+        qs = tl.load(SEG + b * ssb + tok * sss, mask=ok, other=0)
+    first, last = _scan_bounds(RANGES, b, g, tok, ok, S, NR, srb, srs, srh, srr, src, CAUSAL)
+    m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    for start in range(first // BLOCK_N * BLOCK_N, last, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        vis = _scan_visible(RANGES, b, g, tok, ok, cols, S, NR, srb, srs, srh, srr, src, CAUSAL)
+        if tl.max(vis.to(tl.int32)) > 0:
+            k, v, ks = _scan_key_tile(K, V, SEG, b, g, cols, d, d_ok, skb, sks, skh, skd, svb, svs, svh, svd,
+                                      ssb, sss, S, HAS_SEGMENTS)
+            if HAS_SEGMENTS:
+                vis = vis & (qs[:, None] == ks[None, :])
+            s2 = tl.where(vis, tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_mul, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s2, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s2 - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+    seen = l_i > 0
+    inv_l = tl.where(seen, tl.div_rn(1.0, tl.where(seen, l_i, 1.0)), 0.0)
+    tl.store(_heads_at(O, b, tok, hq, d, sob, sos, soh, sod, True), (acc * inv_l[:, None]).to(O.dtype.element_ty),
+             mask=rd_ok)
+    stat = (b * Hq + hq) * S + tok
+    tl.store(LSE + stat, tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf")), mask=ok)
+    tl.store(M2 + stat, tl.where(seen, m_i, float("inf")), mask=ok)
+    tl.store(INV_L + stat, inv_l, mask=ok)
+
+
+@triton.jit
+def _scan_dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, SEG,
+                    sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
+                    sdb, sds, sdh, sdd, sgb, sgs, sgh, sgd, srb, srs, srh, srr, src, ssb, sss,
+                    S, Hq, GROUP, NR, score_mul, scale,
+                    HEAD_DIM: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+                    HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(S, T), Hkv, B): dQ of T tokens x the group over the forward's scan; stores delta
+    = rowsum(dO * O) - dlse for the dK/dV kernel (`_dq_kernel`)."""
+    g = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    tok, head, ok = _scan_rows(tl.program_id(0) * (ROWS // GP), S, GROUP, GP, ROWS)  # int32: S is short
+    hq = g * GROUP + head
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    rd_ok = ok[:, None] & d_ok[None, :]
+    q = tl.load(_heads_at(Q, b, tok, hq, d, sqb, sqs, sqh, sqd, True), mask=rd_ok, other=0.0)
+    do = tl.load(_heads_at(DO, b, tok, hq, d, sdb, sds, sdh, sdd, True), mask=rd_ok, other=0.0)
+    o = tl.load(_heads_at(O, b, tok, hq, d, sob, sos, soh, sod, True), mask=rd_ok, other=0.0)
+    stat = (b * Hq + hq) * S + tok
+    m2 = tl.load(M2 + stat, mask=ok, other=float("inf"))
+    inv_l = tl.load(INV_L + stat, mask=ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + stat, mask=ok, other=0.0)
+    tl.store(DELTA + stat, delta, mask=ok)
+    qs = 0
+    if HAS_SEGMENTS:
+        qs = tl.load(SEG + b * ssb + tok * sss, mask=ok, other=0)
+    first, last = _scan_bounds(RANGES, b, g, tok, ok, S, NR, srb, srs, srh, srr, src, CAUSAL)
+    dq = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    for start in range(first // BLOCK_N * BLOCK_N, last, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        vis = _scan_visible(RANGES, b, g, tok, ok, cols, S, NR, srb, srs, srh, srr, src, CAUSAL)
+        if tl.max(vis.to(tl.int32)) > 0:
+            k, v, ks = _scan_key_tile(K, V, SEG, b, g, cols, d, d_ok, skb, sks, skh, skd, svb, svs, svh, svd,
+                                      ssb, sss, S, HAS_SEGMENTS)
+            if HAS_SEGMENTS:
+                vis = vis & (qs[:, None] == ks[None, :])
+            s2 = tl.dot(q, tl.trans(k), input_precision=PRECISION) * score_mul
+            p = tl.where(vis, tl.exp2(s2 - m2[:, None]) * inv_l[:, None], 0.0)
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    tl.store(_heads_at(DQ, b, tok, hq, d, sgb, sgs, sgh, sgd, True), (dq * scale).to(DQ.dtype.element_ty),
+             mask=rd_ok)
+
+
+@triton.jit
+def _scan_dkv_kernel(Q, K, V, DO, M2, INV_L, DELTA, RANGES, SEG, DKP, DVP,
+                     sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sdb, sds, sdh, sdd,
+                     srb, srs, srh, srr, src, ssb, sss, S, Hq, Hkv, NT, GROUP, NR, CHUNKS, STEPS, score_mul, scale,
+                     HEAD_DIM: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """grid (NT * CHUNKS, Hkv, B): key tile pid // CHUNKS over token steps [chunk * STEPS, (chunk + 1)
+    * STEPS) of T tokens each; writes the chunk's fp32 partial dk, dv to DKP, DVP at chunk index
+    ((b * Hkv + g) * NT + tile) * CHUNKS + chunk (`_dkv_sum_kernel` adds a tile's chunks in order)."""
+    tile = tl.program_id(0) // CHUNKS
+    chunk = tl.program_id(0) % CHUNKS
+    g = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k, v, ks = _scan_key_tile(K, V, SEG, b, g, cols, d, d_ok, skb, sks, skh, skd, svb, svs, svh, svd, ssb, sss, S,
+                              HAS_SEGMENTS)
+    kT = tl.trans(k)
+    vT = tl.trans(v)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    tokens = ROWS // GP
+    first = chunk * STEPS
+    if CAUSAL:  # earlier tokens see none of the tile
+        first = tl.maximum(first, tile * BLOCK_N // tokens)
+    for step in range(first, tl.minimum((chunk + 1) * STEPS, tl.cdiv(S, tokens))):
+        tok, head, ok = _scan_rows(step * tokens, S, GROUP, GP, ROWS)
+        vis = _scan_visible(RANGES, b, g, tok, ok, cols, S, NR, srb, srs, srh, srr, src, CAUSAL)
+        if tl.max(vis.to(tl.int32)) > 0:
+            hq = g * GROUP + head
+            rd_ok = ok[:, None] & d_ok[None, :]
+            q = tl.load(_heads_at(Q, b, tok, hq, d, sqb, sqs, sqh, sqd, True), mask=rd_ok, other=0.0)
+            do = tl.load(_heads_at(DO, b, tok, hq, d, sdb, sds, sdh, sdd, True), mask=rd_ok, other=0.0)
+            stat = (b * Hq + hq) * S + tok
+            m2 = tl.load(M2 + stat, mask=ok, other=float("inf"))
+            inv_l = tl.load(INV_L + stat, mask=ok, other=0.0)
+            delta = tl.load(DELTA + stat, mask=ok, other=0.0)
+            if HAS_SEGMENTS:
+                vis = vis & (tl.load(SEG + b * ssb + tok * sss, mask=ok, other=0)[:, None] == ks[None, :])
+            s2 = tl.dot(q, kT, input_precision=PRECISION) * score_mul
+            p = tl.where(vis, tl.exp2(s2 - m2[:, None]) * inv_l[:, None], 0.0)
+            dv = _add_tile(dv, tl.trans(p.to(do.dtype)), do, PRECISION)
+            ds = p * (tl.dot(do, vT, input_precision=PRECISION) - delta[:, None])
+            dk = _add_tile(dk, tl.trans(ds.to(q.dtype)), q, PRECISION)
+    part = ((b * Hkv + g) * NT + tile) * CHUNKS + chunk
+    out = part * BLOCK_N * BLOCK_D + tl.arange(0, BLOCK_N)[:, None] * BLOCK_D + d[None, :]
+    tl.store(DKP + out, dk * scale)
+    tl.store(DVP + out, dv)
+
+
+# ----------------------------------------------------------------------------------------------
 # The transpose plan of dK/dV
 # ----------------------------------------------------------------------------------------------
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -530,6 +744,98 @@ def selection(q, k, v, ranges, *, scale: float, segment_ids=None, block_size=Non
     counts = (spans[..., 0] < spans[..., 1]).sum(-1, dtype=torch.int32)  # the non-empty ranges lead
     ids = None if segment_ids is None else segment_ids.contiguous()  # its own integer dtype: no wrap-around
     return SelectionFn.apply(q, k, v, spans, counts, ids, scale, config, block_size)
+
+
+def _scan_rows_per_tile(G: int, interpret: bool) -> tuple[int, int]:
+    """(padded group GP, rows of a scan tile): about 64 rows on a GPU (16 in the interpreter), at
+    most 16 tokens, at least the smallest dot."""
+    gp = triton.next_power_of_2(G)
+    tokens = max(1, min(16, (MIN_ROWS if interpret else 64) // gp))
+    return gp, max(MIN_ROWS, tokens * gp)
+
+
+def _scan_common(q, ranges, segment_ids, config):
+    B, S, Hq, D = q.shape
+    G = Hq // ranges.shape[2]
+    gp, rows = _scan_rows_per_tile(G, not q.is_cuda or INTERPRETED)
+    seg, seg_strides = _seg_args(segment_ids, q)
+    return (B, S, Hq, G, gp, rows), (seg, seg_strides), (*ranges.stride(), ranges.shape[3])
+
+
+class RangesScanFn(torch.autograd.Function):
+    """Triton forward + backward of selection attention over raw ranges [B, S, Hkv, R, 2] int32 on
+    short sequences (the scan kernels). Outputs (out, lse), both differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ranges, segment_ids, scale, causal, config):
+        (B, S, Hq, G, gp, rows), (seg, seg_strides), (*r_strides, nr) = _scan_common(q, ranges, segment_ids, config)
+        Hkv, D = k.shape[2], q.shape[3]
+        out = torch.empty_like(q)
+        lse, m2, inv_l = (torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) for _ in range(3))
+        with device_ctx(q):
+            _scan_fwd_kernel[(triton.cdiv(S, rows // gp), Hkv, B)](
+                q, k, v, out, lse, m2, inv_l, ranges, seg, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                *r_strides, *seg_strides, S, Hq, G, nr, scale * LOG2E,
+                HEAD_DIM=D, GP=gp, ROWS=rows, BLOCK_N=config.block_n, BLOCK_D=block_d(D), CAUSAL=causal,
+                HAS_SEGMENTS=segment_ids is not None, PRECISION=precision(q.dtype), num_warps=config.num_warps,
+                num_stages=config.num_stages)
+        ctx.save_for_backward(q, k, v, out, m2, inv_l, ranges, segment_ids)
+        ctx.opts = (scale, causal, config)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, m2, inv_l, ranges, segment_ids = ctx.saved_tensors
+        scale, causal, config = ctx.opts
+        do = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dlse = None if dlse is None else dlse.float().contiguous()
+        (B, S, Hq, G, gp, rows), (seg, seg_strides), (*r_strides, nr) = _scan_common(q, ranges, segment_ids, config)
+        Hkv, D = k.shape[2], q.shape[3]
+        delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)  # the dQ kernel fills it
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        block_n = config.block_n_dkv
+        nt, steps = triton.cdiv(S, block_n), triton.cdiv(S, rows // gp)
+        # few key tiles (short sequences): each tile's token walk cut into chunks, about 256 programs
+        chunks = max(1, min(steps, 256 // (nt * B * Hkv)))
+        per_chunk = triton.cdiv(steps, chunks)
+        dkp = torch.empty((B * Hkv * nt * chunks, block_n, block_d(D)), dtype=torch.float32, device=q.device)
+        dvp = torch.empty_like(dkp)
+        tile_chunks = torch.arange(0, B * Hkv * nt + 1, device=q.device, dtype=torch.int32) * chunks
+        common = dict(HEAD_DIM=D, GP=gp, ROWS=rows, BLOCK_D=block_d(D), CAUSAL=causal,
+                      HAS_SEGMENTS=segment_ids is not None, PRECISION=precision(q.dtype),
+                      num_warps=config.num_warps_bwd, num_stages=config.num_stages_bwd)
+        with device_ctx(q):
+            _scan_dq_kernel[(steps, Hkv, B)](
+                q, k, v, out, do, delta if dlse is None else dlse, dq, m2, inv_l, delta, ranges, seg,
+                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(), *r_strides,
+                *seg_strides, S, Hq, G, nr, scale * LOG2E, scale, BLOCK_N=config.block_n, HAS_DLSE=dlse is not None,
+                **common)
+            _scan_dkv_kernel[(nt * chunks, Hkv, B)](
+                q, k, v, do, m2, inv_l, delta, ranges, seg, dkp, dvp, *q.stride(), *k.stride(), *v.stride(),
+                *do.stride(), *r_strides, *seg_strides, S, Hq, Hkv, nt, G, nr, chunks, per_chunk, scale * LOG2E,
+                scale, BLOCK_N=block_n, **common)
+            _dkv_sum_kernel[(B * Hkv * nt,)](
+                dkp, dvp, tile_chunks, dk, dv, *dk.stride(), *dv.stride(), S, Hkv, nt, HEAD_DIM=D, BLOCK_N=block_n,
+                BLOCK_D=block_d(D), num_warps=8)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def selection_ranges(q, k, v, ranges, *, causal: bool, scale: float, segment_ids=None, config: NSABlockSizes = None):
+    """(out, lse) of selection attention over raw ranges [B, S, Hkv, R, 2] (their union, clipped to
+    the sequence and, causal, to keys <= t; validated). Up to spec.RANGES_SCAN_KEYS tokens the scan
+    kernels take them as they are; beyond, their canonical form goes to `selection`."""
+    config = config or default_nsa_block_sizes(q.shape[3], q.dtype, q.is_cuda and not INTERPRETED)
+    B, S, Hq, _ = q.shape
+    if q.numel() == 0 or k.shape[2] == 0 or ranges.shape[3] == 0:
+        return zeros_like_connected(q), torch.full((B, Hq, S), float("-inf"), device=q.device)
+    if S > spec.RANGES_SCAN_KEYS:
+        with torch.no_grad():
+            spans = reference.canonical_ranges(ranges, causal, S)
+        return selection(q, k, v, spans, scale=scale, segment_ids=segment_ids, config=config)
+    ids = None if segment_ids is None else segment_ids.contiguous()
+    return RangesScanFn.apply(q, k, v, ranges.to(torch.int32).contiguous(), ids, scale, bool(causal), config)
 
 
 # ----------------------------------------------------------------------------------------------
