@@ -524,6 +524,29 @@ def test_gpu_selection_bf16(S, Hq, Hkv, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_ranges_bf16(causal):
+    """The ranges scan kernels compiled (S = 2048, GQA 8 / 2): two ranges per row (a window and a
+    prefix) against the eager golden, and two runs bitwise equal (the dK/dV chunks add in order)."""
+    if not torch.cuda.is_available():
+        pytest.fail("a gpu test needs CUDA")
+    gen = torch.Generator().manual_seed(3)
+    B, S, Hq, Hkv, D = 1, 2048, 8, 2, 128
+    q, k, v, do = (_randn(gen, B, S, h, D, device="cuda") for h in (Hq, Hkv, Hkv, Hq))
+    dlse = _randn(gen, B, Hq, S, device="cuda")
+    t = torch.arange(S)[None, :, None]
+    ranges = torch.stack([torch.stack([(t - 300).clamp(min=0), t + 1], -1),
+                          torch.stack([torch.zeros_like(t), t.clamp(max=100)], -1)], dim=-2)
+    kw = dict(ranges=ranges.expand(B, S, Hkv, 2, 2).cuda(), causal=causal)
+    gold = _selection_run("eager", torch.float64, q, k, v, do, dlse, **kw)
+    naive = _selection_run("eager", torch.bfloat16, q, k, v, do, dlse, **kw)
+    fast = _selection_run("triton", torch.bfloat16, q, k, v, do, dlse, **kw)
+    _check(("out", "lse", "dq", "dk", "dv"), fast, naive, gold, torch.bfloat16)
+    again = _selection_run("triton", torch.bfloat16, q, k, v, do, dlse, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(fast, again))
+
+
+@pytest.mark.gpu
 def test_gpu_nsa_bf16():
     """nsa_attention, compiled, S = 4096, GQA 16 / 1, against the golden with the blocks chosen in
     bf16 (the discrete choice is the same when fast and golden take the same list)."""
