@@ -255,6 +255,24 @@ def _dq_tile(dq, q, do, m2, inv_l, delta, k_base, v_base, SEG, b, ssb, sss, qs, 
 
 
 @triton.jit
+def _dq_rows(Q, DO, O, M2, INV_L, DLSE, DELTA, b, t, hq, d, r_ok, rd_ok, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd,
+             sob, sos, soh, sod, S, Hq, HAS_DLSE: tl.constexpr, PER_ROW: tl.constexpr):
+    """A dQ program's rows (token t, or PER_ROW one token per row): q, dO, m2, 1 / l and delta =
+    rowsum(dO * O) - dlse, which it also stores to DELTA [B, Hq, S] for the dK/dV kernel."""
+    q = tl.load(_heads_at(Q, b, t, hq, d, sqb, sqs, sqh, sqd, PER_ROW), mask=rd_ok, other=0.0)
+    do = tl.load(_heads_at(DO, b, t, hq, d, sdb, sds, sdh, sdd, PER_ROW), mask=rd_ok, other=0.0)
+    o = tl.load(_heads_at(O, b, t, hq, d, sob, sos, soh, sod, PER_ROW), mask=rd_ok, other=0.0)
+    stat = (b * Hq + hq) * S + t
+    m2 = tl.load(M2 + stat, mask=r_ok, other=float("inf"))
+    inv_l = tl.load(INV_L + stat, mask=r_ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + stat, mask=r_ok, other=0.0)
+    tl.store(DELTA + stat, delta, mask=r_ok)
+    return q, do, m2, inv_l, delta
+
+
+@triton.jit
 def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, COUNTS, SEG,
                sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod, sdb, sds, sdh, sdd,
                sgb, sgs, sgh, sgd, srb, srs, srh, srr, src, scb, scs, sch, ssb, sss,
@@ -266,16 +284,8 @@ def _dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, COUNTS, SEG,
     delta = rowsum(dO * O) - dlse (stored to DELTA [B, Hq, S] for the dK/dV kernel), dS = P (dP -
     delta), dq = scale dS k."""
     t, g, b, hq, r_ok, d, d_ok, n, rd_ok = _token_program(GROUP, HEAD_DIM, BLOCK_G, BLOCK_N, BLOCK_D)
-    q = tl.load(_heads_at(Q, b, t, hq, d, sqb, sqs, sqh, sqd, False), mask=rd_ok, other=0.0)
-    do = tl.load(_heads_at(DO, b, t, hq, d, sdb, sds, sdh, sdd, False), mask=rd_ok, other=0.0)
-    o = tl.load(_heads_at(O, b, t, hq, d, sob, sos, soh, sod, False), mask=rd_ok, other=0.0)
-    stat = (b * Hq + hq) * S + t
-    m2 = tl.load(M2 + stat, mask=r_ok, other=float("inf"))
-    inv_l = tl.load(INV_L + stat, mask=r_ok, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + stat, mask=r_ok, other=0.0)
-    tl.store(DELTA + stat, delta, mask=r_ok)
+    q, do, m2, inv_l, delta = _dq_rows(Q, DO, O, M2, INV_L, DLSE, DELTA, b, t, hq, d, r_ok, rd_ok, sqb, sqs, sqh, sqd,
+                                       sdb, sds, sdh, sdd, sob, sos, soh, sod, S, Hq, HAS_DLSE, False)
     k_base, v_base, qs, r_base, count = _token_keys(K, V, SEG, RANGES, COUNTS, b, t, g, skb, skh, svb, svh, ssb, sss,
                                                     srb, srs, srh, scb, scs, sch, HAS_SEGMENTS)
     dq = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
@@ -453,6 +463,25 @@ def _scan_key_tile(K, V, SEG, b, g, cols, d, d_ok, skb, sks, skh, skd, svb, svs,
 
 
 @triton.jit
+def _scan_program(RANGES, SEG, S, GROUP, NR, srb, srs, srh, srr, src, ssb, sss, HEAD_DIM: tl.constexpr,
+                  GP: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_SEGMENTS: tl.constexpr):
+    """A forward / dQ scan program, grid (cdiv(S, T), Hkv, B): (g, b, its rows' tokens, query heads
+    and mask, d and its mask, the [rows, D] mask, the rows' segment ids (0 without), the scan's
+    [first, last) keys)."""
+    g = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    tok, head, ok = _scan_rows(tl.program_id(0) * (ROWS // GP), S, GROUP, GP, ROWS)  # int32: S is short
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    qs = 0
+    if HAS_SEGMENTS:
+        qs = tl.load(SEG + b * ssb + tok * sss, mask=ok, other=0)
+    first, last = _scan_bounds(RANGES, b, g, tok, ok, S, NR, srb, srs, srh, srr, src, CAUSAL)
+    return g, b, tok, g * GROUP + head, ok, d, d_ok, ok[:, None] & d_ok[None, :], qs, first, last
+
+
+@triton.jit
 def _scan_fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
                      srb, srs, srh, srr, src, ssb, sss, S, Hq, GROUP, NR, score_mul,
@@ -460,18 +489,9 @@ def _scan_fwd_kernel(Q, K, V, O, LSE, M2, INV_L, RANGES, SEG,
                      BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
                      PRECISION: tl.constexpr):
     """grid (cdiv(S, T), Hkv, B): the forward of T tokens x the group (`_fwd_kernel`'s outputs)."""
-    g = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    tok, head, ok = _scan_rows(tl.program_id(0) * (ROWS // GP), S, GROUP, GP, ROWS)  # int32: S is short
-    hq = g * GROUP + head
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    rd_ok = ok[:, None] & d_ok[None, :]
+    g, b, tok, hq, ok, d, d_ok, rd_ok, qs, first, last = _scan_program(
+        RANGES, SEG, S, GROUP, NR, srb, srs, srh, srr, src, ssb, sss, HEAD_DIM, GP, ROWS, BLOCK_D, CAUSAL, HAS_SEGMENTS)
     q = tl.load(_heads_at(Q, b, tok, hq, d, sqb, sqs, sqh, sqd, True), mask=rd_ok, other=0.0)
-    qs = 0
-    if HAS_SEGMENTS:
-        qs = tl.load(SEG + b * ssb + tok * sss, mask=ok, other=0)
-    first, last = _scan_bounds(RANGES, b, g, tok, ok, S, NR, srb, srs, srh, srr, src, CAUSAL)
     m_i = tl.full((ROWS,), float("-inf"), tl.float32)
     l_i = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
@@ -511,27 +531,10 @@ def _scan_dq_kernel(Q, K, V, O, DO, DLSE, DQ, M2, INV_L, DELTA, RANGES, SEG,
                     HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr):
     """grid (cdiv(S, T), Hkv, B): dQ of T tokens x the group over the forward's scan; stores delta
     = rowsum(dO * O) - dlse for the dK/dV kernel (`_dq_kernel`)."""
-    g = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    tok, head, ok = _scan_rows(tl.program_id(0) * (ROWS // GP), S, GROUP, GP, ROWS)  # int32: S is short
-    hq = g * GROUP + head
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    rd_ok = ok[:, None] & d_ok[None, :]
-    q = tl.load(_heads_at(Q, b, tok, hq, d, sqb, sqs, sqh, sqd, True), mask=rd_ok, other=0.0)
-    do = tl.load(_heads_at(DO, b, tok, hq, d, sdb, sds, sdh, sdd, True), mask=rd_ok, other=0.0)
-    o = tl.load(_heads_at(O, b, tok, hq, d, sob, sos, soh, sod, True), mask=rd_ok, other=0.0)
-    stat = (b * Hq + hq) * S + tok
-    m2 = tl.load(M2 + stat, mask=ok, other=float("inf"))
-    inv_l = tl.load(INV_L + stat, mask=ok, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + stat, mask=ok, other=0.0)
-    tl.store(DELTA + stat, delta, mask=ok)
-    qs = 0
-    if HAS_SEGMENTS:
-        qs = tl.load(SEG + b * ssb + tok * sss, mask=ok, other=0)
-    first, last = _scan_bounds(RANGES, b, g, tok, ok, S, NR, srb, srs, srh, srr, src, CAUSAL)
+    g, b, tok, hq, ok, d, d_ok, rd_ok, qs, first, last = _scan_program(
+        RANGES, SEG, S, GROUP, NR, srb, srs, srh, srr, src, ssb, sss, HEAD_DIM, GP, ROWS, BLOCK_D, CAUSAL, HAS_SEGMENTS)
+    q, do, m2, inv_l, delta = _dq_rows(Q, DO, O, M2, INV_L, DLSE, DELTA, b, tok, hq, d, ok, rd_ok, sqb, sqs, sqh, sqd,
+                                       sdb, sds, sdh, sdd, sob, sos, soh, sod, S, Hq, HAS_DLSE, True)
     dq = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     for start in range(first // BLOCK_N * BLOCK_N, last, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
