@@ -195,8 +195,8 @@ class _Tile:
         ref[...] = x.reshape(ref.shape).astype(ref.dtype)
 
 
-def _range_bounds(ranges_ref, tokens=0):
-    """[(start, end)] of each range slot of `tokens` (an index, or a slice: vectors)."""
+def _range_bounds(ranges_ref, tokens):
+    """[(start, end)] of each range slot of `tokens` (a slice of the ref's rows: vectors)."""
     return [(ranges_ref[tokens, r, 0], ranges_ref[tokens, r, 1]) for r in range(ranges_ref.shape[1])]
 
 
@@ -247,6 +247,7 @@ def _walk(st, tile, sel, body, carry):
 
 
 def _walk_ranges_tokens(st, tile, ranges_ref, body, carry):
+    """`_walk` of a program of T > 1 tokens over their ranges (ranges_ref [T, R, 2])."""
     width = st.block_size
     bounds = _range_bounds(ranges_ref, slice(None))  # [T] vectors
     rows_of = lambda x: _spread(jnp.broadcast_to(x[:, None], (tile.tokens, st.group)).reshape(tile.real),
