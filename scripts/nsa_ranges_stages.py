@@ -71,16 +71,10 @@ def jax_part():
     import jax_attn
     from jax_attn.ops.nsa import plan
 
-    def jt(f, *a, reps=50):
-        g = jax.jit(f)
-        for _ in range(5):
-            jax.block_until_ready(g(*a))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(g(*a))
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) * 1e3
+    from jax_attn.autotune import time_call
+
+    def jt(f, *a):  # jitted, median of 50 calls after 5 untimed ones
+        return time_call(f, a, warmup=5, reps=50)
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, N, H, D)), jnp.bfloat16)
