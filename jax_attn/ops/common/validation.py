@@ -125,8 +125,9 @@ def fp32_precision(dtype) -> jax.lax.Precision:
 
 
 def check_decay(decay, num_heads, dtype):
-    """-> decay [Hq] in the compute dtype (float32; float64 for the golden). Broadcasting a scalar
-    here makes autodiff sum its gradient back over the heads."""
+    """-> decay () or [Hq] in the compute dtype (float32; float64 for the golden). A scalar stays
+    one: the implementations sum its gradient over the heads in their own way (the Pallas
+    kernels' compensated sum takes every head's terms at once)."""
     if isinstance(decay, numbers.Real) and not isinstance(decay, bool):
         decay = np.float64(decay)
     if not hasattr(decay, "shape") or not hasattr(decay, "dtype"):
@@ -139,7 +140,7 @@ def check_decay(decay, num_heads, dtype):
     if values is not None and not (np.all(np.isfinite(values)) and np.all(values >= 0)):
         raise ValueError(f"decay must be finite and >= 0, got decay={values}")
     compute = jnp.float64 if dtype == jnp.float64 else jnp.float32
-    return jnp.broadcast_to(jnp.asarray(decay, compute), (num_heads,))
+    return jnp.asarray(decay, compute)
 
 
 def concrete(x):

@@ -31,6 +31,7 @@ import numpy as np
 
 from attn_spec.dilation import Branch, RowMap, branches, head_plan
 from attn_spec.tiles import BlockSizes
+from jax_attn.ops.common import summation
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim
 from jax_attn.ops.softmax import mosaic
 from jax_attn.ops.softmax.triton import mapped_backward, mapped_forward
@@ -206,7 +207,15 @@ def _dilated_bwd(st, residuals, cotangents):
     do, dlse = cotangents
     batch, seq_len, num_heads, _ = q.shape
     num_kv_heads = k.shape[2]
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
+    # delta = rowsum(dO * O). Over a short dilated segment a row's few scores leave dS = P (dP -
+    # delta) to the difference of two close numbers: fp32 inputs take it nearly correctly rounded
+    # (8x the plain reduction's time on the GPU, docs/design/dilated.md); for 16-bit inputs the
+    # plain fp32 reduction's rounding is far below their own
+    o32, do32 = out.astype(jnp.float32), do.astype(jnp.float32)
+    if q.dtype == jnp.float32:
+        delta = summation.dot_compensated(o32, do32).transpose(0, 2, 1) - dlse
+    else:
+        delta = jnp.einsum("bshd,bshd->bhs", o32, do32) - dlse
     if st.ordered:  # the merged statistics are in ordered positions
         delta = jnp.take(delta, perm, axis=2)
     dq = jnp.zeros(q.shape, jnp.float32)

@@ -21,7 +21,7 @@ def stick_breaking_reference(q, k, v, decay, spec: AttentionSpec, *, pos=None, k
                              attend_current: bool = False):
     """Plain jnp, materialising [B, Hq, Sq, Sk] (float64 under jax.enable_x64: the golden).
 
-    q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] with Sq <= Sk and spec.offset = Sk - Sq; decay [Hq];
+    q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] with Sq <= Sk and spec.offset = Sk - Sq; decay () or [Hq];
     q_ids [B, Sq] / kv_ids [B, Sk] int or None (spec.has_segments); pos / kv_pos: RoPE positions
     (None: arange, the queries' from spec.offset). Log-space math in float32 (float64 for float64);
     A is rounded to v.dtype for the A v product, as in the kernels. Gradients by autodiff."""
@@ -38,7 +38,7 @@ def stick_breaking_reference(q, k, v, decay, spec: AttentionSpec, *, pos=None, k
     rows = jnp.arange(q_len) + spec.offset if spec.offset else jnp.arange(q_len)  # the queries' key positions
     rows = rows[:, None][None, None, None]  # [1, 1, 1, Sq, 1] against [B, Hkv, G, Sq, Sk]
     cols = jnp.arange(kv_len)[None, :][None, None, None]
-    lam = decay.astype(wide).reshape(num_kv_heads, group)[None, :, :, None, None]
+    lam = jnp.broadcast_to(decay.astype(wide), (num_heads,)).reshape(num_kv_heads, group)[None, :, :, None, None]
     z = raw * spec.scale - lam * (rows - cols).astype(wide)
     valid = cols <= rows if attend_current else cols < rows
     if q_ids is not None:

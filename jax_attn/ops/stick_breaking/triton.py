@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_attn.ops.common import padding, triton_tiles as tiles, visit
+from jax_attn.ops.common import padding, summation, triton_tiles as tiles, visit
 from jax_attn.ops.common.rope import apply_rope
 from attn_spec.tiles import check_launch_fields, pow2_at_least
 from jax_attn.ops.common.spec import LOG2E, AttentionSpec, padded_head_dim
@@ -764,37 +764,22 @@ def _bwd_call(st: _Static, q, k, v, decay, table, do, g0, v_max, c_sums, spent, 
 # ----------------------------------------------------------------------------------------------
 
 
+def _per_head(decay, num_heads: int):
+    """decay () or [Hq] fp32 -> [Hq] padded to a power of two (the kernels' block of heads)."""
+    return padding.pad_axis(jnp.broadcast_to(decay, (num_heads,)), 0, pow2_at_least(num_heads))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _stick_breaking(st, q, k, v, decay, table, seg=None):
-    out, rem, *_ = _fwd_call(st, q, k, v, decay, table, seg, save_sums=False)  # (+ q, k rotated)
-    return out, rem
+    out, rem, *_ = _fwd_call(st, q, k, v, _per_head(decay, q.shape[2]), table, seg, save_sums=False)
+    return out, rem  # (_fwd_call returns q, k rotated too)
 
 
 def _stick_breaking_fwd(st, q, k, v, decay, table, seg=None):
-    out, rem, c_sums, spent, v_max, *rotated = _fwd_call(st, q, k, v, decay, table, seg, save_sums=True)
+    out, rem, c_sums, spent, v_max, *rotated = _fwd_call(st, q, k, v, _per_head(decay, q.shape[2]), table, seg,
+                                                         save_sums=True)
     q, k = rotated or (q, k)  # with RoPE the backward needs q, k only rotated
     return (out, rem), (q, k, v, decay, table, rem, c_sums, spent, v_max, seg)
-
-
-def _sum_compensated(x):
-    """Sum over the last axis of fp32 x, nearly correctly rounded, in a fixed order on every backend.
-
-    The per-row decay gradients cancel heavily, so the order of a plain fp32 reduction shows
-    (XLA:CPU merges the head and row reductions under jit and sums windows of terms sequentially;
-    docs/design/stick_breaking.md, 'Log space'). Here: pairwise halving with
-    Knuth's TwoSum, each add's exact rounding error carried in a second fp32 word (elementwise
-    ops only, which XLA does not reassociate), so the result errs ~1 ulp of the sum."""
-    n = pow2_at_least(x.shape[-1])
-    hi = padding.pad_axis(x, x.ndim - 1, n)
-    lo = jnp.zeros_like(hi)
-    while n > 1:
-        n //= 2
-        a, b = hi[..., :n], hi[..., n:]
-        hi = a + b
-        b_virtual = hi - a
-        err = (a - (hi - b_virtual)) + (b - b_virtual)  # exactly a + b - hi
-        lo = lo[..., :n] + lo[..., n:] + err
-    return (hi + lo)[..., 0]
 
 
 # A program's gradient unit keeps its dA and dz below 2^(UNIT_BITS + 1) (`_gradient_unit`)
@@ -825,10 +810,12 @@ def _gradient_unit(bound):
 def _stick_breaking_bwd(st, residuals, cotangents):
     q, k, v, decay, table, rem, c_sums, spent, v_max, seg = residuals
     do, drem = cotangents
-    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, decay, table, do.astype(q.dtype), drem * rem, v_max, c_sums, spent,
-                                   seg)
-    ddecay = _sum_compensated(jnp.moveaxis(ddecay, 1, 0).reshape(ddecay.shape[1], -1))  # [H]
-    return dq, dk, dv, padding.pad_axis(ddecay, 0, decay.shape[0]), None, None
+    dq, dk, dv, ddecay = _bwd_call(st, q, k, v, _per_head(decay, q.shape[2]), table, do.astype(q.dtype), drem * rem,
+                                   v_max, c_sums, spent, seg)
+    # per head, or for a decay all heads share over every head at once: a plain sum over the
+    # heads after the compensated ones would round again
+    ddecay = summation.sum_compensated(jnp.moveaxis(ddecay, 1, 0).reshape(decay.size, -1)).reshape(decay.shape)
+    return dq, dk, dv, ddecay, None, None
 
 
 _stick_breaking.defvjp(_stick_breaking_fwd, _stick_breaking_bwd)
@@ -854,7 +841,7 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None, kv_p
                           attend_current: bool = False, blocks: StickBreakingBlockSizes | None = None,
                           interpret: bool | None = None, forward: str = "pallas_triton", skip_spent: bool = True):
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Sq <= Sk, spec.offset = Sk - Sq: query i at key
-    position i + offset), decay [Hq] fp32 (validated) -> (out, rem [B, Hq, Sq]).
+    position i + offset), decay () or [Hq] fp32 (validated) -> (out, rem [B, Hq, Sq]).
 
     pos [B, S] int32 RoPE positions when spec.rope (None: arange); with kv_pos (the keys' own) or
     Sq != Sk, q and k are rotated by XLA (`apply_rope`) and the kernels run without RoPE (their
@@ -902,9 +889,8 @@ def stick_breaking_pallas(q, k, v, decay, spec: AttentionSpec, *, pos=None, kv_p
     kp = padding.pad_axis(padding.pad_head_dim(k, spec, head_pad, True), 1, kv_pad)
     vp = padding.pad_axis(padding.pad_head_dim(v, spec, head_pad, False), 1, kv_pad)
     table = None if spec.rope is None else rope_tables(pos, spec.rope, head_dim, head_pad, seq_pad, batch)
-    decay_pad = padding.pad_axis(decay.astype(jnp.float32), 0, pow2_at_least(decay.shape[0]))
     st = _Static(spec, blocks, interpret, jnp.dtype(q.dtype), mosaic=mosaic, skip=skip_spent,
                  attend_current=attend_current)
     seg = None if q_ids is None else _segment_inputs(q_ids, kv_ids, seq_pad, kv_pad, blocks)
-    out, rem = _stick_breaking(st, qp, kp, vp, decay_pad, table, seg)
+    out, rem = _stick_breaking(st, qp, kp, vp, decay.astype(jnp.float32), table, seg)
     return out[:, :seq_len, :, :head_dim], rem[:, :, :seq_len]
