@@ -209,7 +209,7 @@ def _dilated_bwd(st, residuals, cotangents):
     num_kv_heads = k.shape[2]
     # delta = rowsum(dO * O). Over a short dilated segment a row's few scores leave dS = P (dP -
     # delta) to the difference of two close numbers: fp32 inputs take it nearly correctly rounded
-    # (8x the plain reduction's time on the GPU, docs/design/dilated.md); for 16-bit inputs the
+    # (4-8x the plain reduction's time on the GPU, docs/design/dilated.md); for 16-bit inputs the
     # plain fp32 reduction's rounding is far below their own
     o32, do32 = out.astype(jnp.float32), do.astype(jnp.float32)
     if q.dtype == jnp.float32:
