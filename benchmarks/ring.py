@@ -60,14 +60,14 @@ def lengths(opts, devices: int):
     return [131072, 524288] + ([1048576] if devices >= 4 else [])
 
 
-def _inputs(seed: int, seq: int, heads: int, dim: int, dtype):
+def inputs(seed: int, seq: int, heads: int, dim: int, dtype):
     """q, k, v, do ~ N(0, 1) on the first device."""
     keys = jax.random.split(jax.random.key(seed), 4)
     make = jax.jit(lambda key: jax.random.normal(key, (1, seq, heads, dim), jnp.float32).astype(dtype))
     return [jax.block_until_ready(make(key)) for key in keys]
 
 
-def _parallel_fn(mesh, layout, strategy, implementation):
+def parallel_fn(mesh, layout, strategy, implementation):
     import jax_attn
     spec = P(None, "sp")
     body = lambda q, k, v: jax_attn.ring_attention(q, k, v, axis_name="sp", causal=True, layout=layout,
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     for i, seq in enumerate(lengths(opts, n)):
         case = harness.Case("causal", 1, seq, heads, dim, causal=True, params={"devices": n})
         harness.log(f"=== {case.label()} on {n} devices ({opts.dtype_name}) ===")
-        host = _inputs(opts.seed + i, seq, heads, dim, opts.dtype)
+        host = inputs(opts.seed + i, seq, heads, dim, opts.dtype)
         reference, one_ms = {}, {}
         for mode in harness.MODES:
             for col in columns:
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                         layout, strategy = COLUMNS[col.name]
                         order = (lambda x: jax_attn.to_zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
                         args = [jax.device_put(order(x), sharding) for x in host]
-                        ms, out, _ = _timed(_parallel_fn(mesh, layout, strategy, opts.implementation), args, mode, opts)
+                        ms, out, _ = _timed(parallel_fn(mesh, layout, strategy, opts.implementation), args, mode, opts)
                         if mode in reference:
                             outs = [out] if mode == "fwd" else list(out)
                             refs = [reference[mode]] if mode == "fwd" else list(reference[mode])

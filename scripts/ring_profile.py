@@ -1,13 +1,13 @@
-"""Where a sequence-parallel fwd+bwd waits: one causal call (B=1, 16 heads of 128, bf16) of
-`ring_attention` over every visible GPU under `jax.profiler`, then per device the kernel time by
-name, the time some kernel ran (busy) and the span, and on the first device every NCCL kernel with
-the time no compute kernel ran beside it ("exposed").
+"""Where a sequence-parallel fwd+bwd waits: the call `benchmarks/ring.py` times (causal, B=1, 16
+heads of 128, bf16, zigzag layout, every visible GPU) once under `jax.profiler`, then per device the
+kernel time by name, the time some kernel ran (busy) and the span, and on the first device every
+NCCL kernel with the time no compute kernel ran beside it ("exposed").
 
   PYTHONPATH=. python3 scripts/ring_profile.py [--strategy ring|all_gather] [--length 131072]
-                                               [--timeline] [--trace-dir /tmp/ring-trace]
+                                               [--timeline] [--trace-dir DIR] [--default-scheduling]
 
-XLA flags come from XLA_FLAGS as given (add --xla_gpu_enable_latency_hiding_scheduler=true to
-profile what benchmarks/ring.py times). GPU only: it reads the GPU streams of the trace."""
+XLA flags: as benchmarks/ring.py, XLA_FLAGS plus the latency-hiding scheduler unless
+--default-scheduling. GPU only: it reads the GPU streams of the trace."""
 from __future__ import annotations
 
 import argparse
@@ -16,14 +16,19 @@ import glob
 import gzip
 import json
 import os
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.ring import inputs, parallel_fn  # noqa: E402  (before jax: the benchmark's XLA flags)
+from benchmarks import harness  # noqa: E402
 
-import jax_attn
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_attn  # noqa: E402
 
 NOT_KERNELS = ("XLA", "Step", "Module", "Ops", "TraceMe")  # trace lines that are not GPU streams
 
@@ -32,19 +37,14 @@ def profile(strategy: str, length: int, trace_dir: str) -> str:
     """Run the call three times untraced, once traced; -> the trace file."""
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("sp",))
-    spec = P(None, "sp")
-    body = lambda q, k, v: jax_attn.ring_attention(q, k, v, axis_name="sp", causal=True, layout="zigzag",
-                                                   strategy=strategy)
-    f = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    loss = lambda q, k, v, do: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    sharding = NamedSharding(mesh, spec)
-    xs = [jax.device_put(jax.random.normal(jax.random.key(i), (1, length, 16, 128), jnp.bfloat16), sharding)
-          for i in range(4)]
+    sharding = NamedSharding(mesh, P(None, "sp"))
+    args = [jax.device_put(jax_attn.to_zigzag(x, len(devices)), sharding)
+            for x in inputs(0, length, 16, 128, jnp.bfloat16)]
+    fwd_bwd = harness.jax_forward_backward(parallel_fn(mesh, "zigzag", strategy, None))
     for _ in range(3):  # compile, and (under JAX's profile-guided scheduling) its profiling runs
-        jax.block_until_ready(grad(*xs))
+        jax.block_until_ready(fwd_bwd(*args))
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        jax.block_until_ready(grad(*xs))
+        jax.block_until_ready(fwd_bwd(*args))
     return glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[0]
 
 
@@ -77,6 +77,8 @@ def exposed(a: float, b: float, compute: list[tuple[float, float]]) -> float:
 
 
 def report(by: dict, strategy: str, timeline: bool) -> None:
+    if not by:
+        raise SystemExit("no GPU kernels in the trace: this script profiles GPUs")
     for device, events in sorted(by.items()):
         totals = collections.Counter()
         for a, b, name in events:
@@ -112,6 +114,8 @@ def main() -> None:
     p.add_argument("--length", type=int, default=131072)
     p.add_argument("--timeline", action="store_true", help="list the first device's kernels (> 0.3 ms) and NCCL")
     p.add_argument("--trace-dir", default="/tmp/ring-trace")
+    p.add_argument("--default-scheduling", action="store_true",
+                   help="leave XLA's scheduler as it is (read by benchmarks/ring.py at import)")
     opts = p.parse_args()
     report(kernels(profile(opts.strategy, opts.length, opts.trace_dir)), opts.strategy, opts.timeline)
 
