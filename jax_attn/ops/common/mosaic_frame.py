@@ -22,15 +22,45 @@ HEAD_DIMS = (64, 128)  # padded head dims served (a 128-byte swizzle row holds 6
 WGMMA_ROWS = 64  # rows of one warpgroup's wgmma
 
 
+class PingPong:
+    """FlashAttention-3's ping-pong of the two compute warpgroups: a barrier of two arrivals that
+    each passes twice a step (after issuing S = QK^T, and after its softmax, before PV), warpgroup 1
+    once more before its first step and warpgroup 0 once more after its last. The n-th passage of
+    one then pairs with the n-th of the other, so warpgroup 1's softmax starts when warpgroup 0's
+    ends and the other way round: one's matmuls run while the other's softmax does. Both walk the
+    whole stream (their own steps and `Ring.follow`'s), so the counts match."""
+
+    def __init__(self, barrier):
+        self.barrier = barrier
+
+    def arrive(self):
+        plgpu.barrier_arrive(self.barrier)
+
+    def wait(self):
+        plgpu.barrier_wait(self.barrier)
+
+    def sync(self):
+        self.arrive()
+        self.wait()
+
+    def begin(self, wg):
+        pl.when(wg == 1)(self.sync)
+
+    def end(self, wg):
+        pl.when(wg == 0)(self.sync)
+
+
 class Ring:
     """A stream of blocks through `stages` shared-memory slots, per streamed array: the producer
     warpgroup copies step t's blocks into slot t % stages (`ready[i]` fires when block i landed)
     and refills a slot once both compute warpgroups released it (`free[i]`, two arrivals). With
     `landed` (RoPE), array 0's copies land there instead and the producer prepares each block in
-    place (rotates it) before it fires `ready[0]`."""
+    place (rotates it) before it fires `ready[0]`. With `pingpong` (a `PingPong`'s barrier), the
+    compute warpgroups alternate their softmaxes (`self.pingpong`)."""
 
-    def __init__(self, slots, ready, free, stages: int, landed=None):
+    def __init__(self, slots, ready, free, stages: int, landed=None, pingpong=None):
         self.slots, self.ready, self.free, self.stages, self.landed = slots, ready, free, stages, landed
+        self.pingpong = None if pingpong is None else PingPong(pingpong)
 
     def slot(self, t):
         return lax.rem(t, self.stages)
@@ -51,6 +81,9 @@ class Ring:
             for i in range(len(self.slots)):
                 self.wait(t, i)
                 self.release(t, i)
+            if self.pingpong is not None:  # a step's two passages
+                self.pingpong.sync()
+                self.pingpong.sync()
 
     def produce(self, sources, steps, max_steps: int, prepare=None):
         """The producer warpgroup's loop; sources(t) -> the step's gmem blocks, one per array;
@@ -99,13 +132,16 @@ class Ring:
         prepare.finish(steps)
 
 
-def ring_scratch(stages: int, rows: int, head_dim: int, dtype, count: int = 2, prepared: bool = False):
-    """(slots, ready, free[, landed]) scratch for `count` streamed arrays of [rows, head_dim]
-    blocks; `prepared`: array 0 is prepared by the producer (`Ring.produce`)."""
+def ring_scratch(stages: int, rows: int, head_dim: int, dtype, count: int = 2, prepared: bool = False,
+                 pingpong: bool = False):
+    """(slots, ready, free, landed, pingpong) scratch for `count` streamed arrays of [rows, head_dim]
+    blocks; `prepared`: array 0 is prepared by the producer (`Ring.produce`), else landed is None;
+    `pingpong`: the compute warpgroups' `PingPong` barrier, else None."""
     ready = (plgpu.Barrier(num_barriers=stages),) * count  # TMA arrivals, or the producer's
     free = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * count  # one per compute warpgroup
-    landed = (plgpu.Barrier(num_barriers=stages),) if prepared else ()
-    return ((smem((stages, rows, head_dim), dtype),) * count, ready, free, *landed)
+    landed = plgpu.Barrier(num_barriers=stages) if prepared else None
+    return ((smem((stages, rows, head_dim), dtype),) * count, ready, free, landed,
+            plgpu.Barrier(num_arrivals=2) if pingpong else None)
 
 
 def smem(shape, dtype):
@@ -148,12 +184,21 @@ def iota(shape, dim):
 ROPE_PRODUCER_REGISTERS = 128
 
 
-def matmul(shape, a, b):
-    """a @ b on wgmma into a fresh fp32 accumulator of `shape`."""
-    def run(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+def matmuls(shape, pairs, issued=None):
+    """[a @ b for (a, b) in pairs] on wgmma, each into a fresh fp32 accumulator of `shape`, all
+    issued before any is awaited; `issued()` runs while they are in flight."""
+    def run(*acc_refs):
+        for acc_ref, (a, b) in zip(acc_refs, pairs):
+            plgpu.wgmma(acc_ref, a, b)
+        if issued is not None:
+            issued()
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+    return pl.run_scoped(run, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+
+
+def matmul(shape, a, b, issued=None):
+    """a @ b on wgmma into a fresh fp32 accumulator of `shape`; `issued()` runs while it is in flight."""
+    return matmuls(shape, [(a, b)], issued)[0]
 
 
 def matmul_add(acc, a, b):

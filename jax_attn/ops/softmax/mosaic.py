@@ -527,10 +527,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlockSizes, spec: 
         else:
             load_rotated_q(batch, head, wg, rows, q_tile)
 
+        pingpong = ring.pingpong
+
         def step(t, carry, masked: bool):
             m, l, acc = carry
             u = t - stream_lo  # the ring's step
-            s = frame.matmul((bq, bkv), q_tile, ring.wait(u, 0).transpose((1, 0)))
+            s = frame.matmul((bq, bkv), q_tile, ring.wait(u, 0).transpose((1, 0)), issued=pingpong.sync)
             ring.release(u, 0)
             if masked:
                 keep = visible(spec, first + frame.iota(s.shape, 0), t * bkv + frame.iota(s.shape, 1), kv_len)
@@ -541,18 +543,26 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, blocks: MosaicBlockSizes, spec: 
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m - m_use)
             p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = frame.matmul_add(acc, p.astype(q_ref.dtype), ring.wait(u, 1))
+            l = l * alpha + p.sum(axis=1)
+            p = p.astype(q_ref.dtype)
+            # the softmax ends here for the scheduler too: nothing of it moves past the passage
+            m_new, l, acc, p = lax.optimization_barrier((m_new, l, acc, p))
+            pingpong.arrive()  # done with the softmax; PV once the other's matmuls are issued
+            v_tile = ring.wait(u, 1)
+            pingpong.wait()
+            acc = frame.matmul_add(acc, p, v_tile)
             ring.release(u, 1)
             return m_new, l, acc
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
         carry = (frame.zeros((bq,), rows_layout, -jnp.inf), frame.zeros((bq,), rows_layout),
                  frame.zeros((bq, q_ref.shape[3])))
+        pingpong.begin(wg)
         ring.follow(0, own_blocks[0] - stream_lo)  # blocks only the other warpgroup sees
         m, l, acc = frame.walk(step, carry, own_blocks)
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
+        pingpong.end(wg)
 
         empty = l == 0.0  # no visible key: output 0, lse -inf (never NaN)
         l_safe = jnp.where(empty, 1.0, l)
@@ -601,24 +611,30 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         plgpu.barrier_wait(own_ready.at[2 * wg])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
 
+        pingpong = ring.pingpong
+
         def step(t, dq, masked: bool):
             u = t - stream_lo  # the ring's step
             k_tile = ring.wait(u, 0)
-            s = frame.matmul((bq, bkv), q_tile, k_tile.transpose((1, 0)))
-            dp = frame.matmul((bq, bkv), do_tile, ring.wait(u, 1).transpose((1, 0)))
+            s, dp = frame.matmuls((bq, bkv), [(q_tile, k_tile.transpose((1, 0))),
+                                              (do_tile, ring.wait(u, 1).transpose((1, 0)))], issued=pingpong.sync)
             ring.release(u, 1)
             if masked:  # (padded keys are zero rows: s = 0 there, whose P could overflow)
                 keep = visible(spec, first + frame.iota(s.shape, 0), t * bkv + frame.iota(s.shape, 1), kv_len)
                 s = jnp.where(keep, s, -jnp.inf)
             p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m2, s.shape, [0]))
-            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
-            dq = frame.matmul_add(dq, ds.astype(q_ref.dtype), k_tile)
+            ds = (p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))).astype(q_ref.dtype)
+            dq, ds = lax.optimization_barrier((dq, ds))  # the elementwise part ends at the passage
+            pingpong.sync()
+            dq = frame.matmul_add(dq, ds, k_tile)
             ring.release(u, 0)
             return dq
 
+        pingpong.begin(wg)
         ring.follow(0, own_blocks[0] - stream_lo)
         dq = frame.walk(step, frame.zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
+        pingpong.end(wg)
         if rotary is not None:
             dq = rotary(dq, rotary.own_base(wg), inverse=True)
         frame.store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
@@ -639,7 +655,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
     (k_smem, v_smem), own_ready, rotary = _backward_own(own, tables, spec)
     bq, bkv = blocks.block_q_bwd, blocks.block_k_bwd
     scale2 = spec.scale * LOG2E
-    ring = frame.Ring(*ring, blocks.num_stages_bwd)
+    ring = frame.Ring(*ring[:3], blocks.num_stages_bwd, *ring[3:])
     num_q = q_ref.shape[1] // bq
     batch, kv_head, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     # Through a row map the grid's heads are query heads (group 1), each reading its slots and
@@ -672,23 +688,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
+        pingpong = ring.pingpong
+
         def step(i, carry, g, masked: bool):
             dk, dv = carry
             t = g * per_head + i - stream_lo  # the ring's step
             head, qrows = kv_head * group + g, pl.ds(i * bq, bq)
-            q_tile = ring.wait(t, 0)
-            st = frame.matmul((bkv, bq), k_tile, q_tile.transpose((1, 0)))
             m2, delta = (frame.load_gmem(x.at[batch, head, qrows], col_layout) for x in (m2_ref, delta_ref))
-            do_tile = ring.wait(t, 1)
-            dpt = frame.matmul((bkv, bq), v_tile, do_tile.transpose((1, 0)))
+            q_tile, do_tile = ring.wait(t, 0), ring.wait(t, 1)
+            st, dpt = frame.matmuls((bkv, bq), [(k_tile, q_tile.transpose((1, 0))),
+                                                (v_tile, do_tile.transpose((1, 0)))], issued=pingpong.sync)
             if masked:
                 keep = visible(spec, i * bq + frame.iota(st.shape, 1), first + frame.iota(st.shape, 0), kv_len)
                 st = jnp.where(keep, st, -jnp.inf)
             pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(m2, st.shape, [1]))
-            dv = frame.matmul_add(dv, pt.astype(q_ref.dtype), do_tile)
+            dst = (pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(q_ref.dtype)
+            pt = pt.astype(q_ref.dtype)
+            dk, dv, pt, dst = lax.optimization_barrier((dk, dv, pt, dst))  # the elementwise part ends here
+            pingpong.sync()
+            dv = frame.matmul_add(dv, pt, do_tile)
             ring.release(t, 1)
-            dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
-            dk = frame.matmul_add(dk, dst.astype(q_ref.dtype), q_tile)
+            dk = frame.matmul_add(dk, dst, q_tile)
             ring.release(t, 0)
             return dk, dv
 
@@ -700,7 +720,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
             return carry
 
         zeros = frame.zeros((bkv, k_ref.shape[3]))
+        pingpong.begin(wg)
         dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+        pingpong.end(wg)
         dk = dk * spec.scale
         if rotary is not None:
             dk = rotary(dk, rotary.own_base(wg), inverse=True)
@@ -785,7 +807,7 @@ def _forward_launch(q, k, v, *rope, spec: AttentionSpec, kv_len: int, blocks: Mo
     out, lse, *k_q_rot = frame.launch(kernel, args, out_type, tuple(sizes[n] for n in FORWARD_GRID), FORWARD_GRID,
                                  (own_smem, own_ready),
                                  frame.ring_scratch(blocks.num_stages, blocks.block_k, head_dim, k.dtype,
-                                               prepared=spec.rope is not None))
+                                               prepared=spec.rope is not None, pingpong=True))
     # k and q rotated are the CTAs' exchange; the backward reads them
     return (out, lse, *k_q_rot[::-1]) if rotated else (out, lse)
 
@@ -820,9 +842,9 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
                      (jax.ShapeDtypeStruct((batch, kv_pad, dkdv_heads, head_dim), k.dtype),) * 2,
                      (dkdv_heads, batch, kv_pad // (2 * bkv)),
                      ("heads", "batch", "k_tiles"), own(bkv, k.dtype),
-                     frame.ring_scratch(blocks.num_stages_bwd, bq, head_dim, q.dtype))
+                     frame.ring_scratch(blocks.num_stages_bwd, bq, head_dim, q.dtype, pingpong=True))
     dq = frame.launch(functools.partial(_dq_kernel, **options), (q, k, v, do, m2, delta, *tables),
                  jax.ShapeDtypeStruct((batch, q_pad, dq_heads, head_dim), q.dtype), (dq_heads, batch, q_pad // (2 * bq)),
                  ("heads", "batch", "q_tiles"), own(bq, q.dtype),
-                 frame.ring_scratch(blocks.num_stages_bwd, bkv, head_dim, k.dtype))
+                 frame.ring_scratch(blocks.num_stages_bwd, bkv, head_dim, k.dtype, pingpong=True))
     return dq, dk, dv
