@@ -184,21 +184,14 @@ def iota(shape, dim):
 ROPE_PRODUCER_REGISTERS = 128
 
 
-def matmuls(shape, pairs, issued=None):
-    """[a @ b for (a, b) in pairs] on wgmma, each into a fresh fp32 accumulator of `shape`, all
-    issued before any is awaited; `issued()` runs while they are in flight."""
-    def run(*acc_refs):
-        for acc_ref, (a, b) in zip(acc_refs, pairs):
-            plgpu.wgmma(acc_ref, a, b)
-        if issued is not None:
-            issued()
-        return tuple(acc_ref[...] for acc_ref in acc_refs)
-    return pl.run_scoped(run, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
-
-
 def matmul(shape, a, b, issued=None):
     """a @ b on wgmma into a fresh fp32 accumulator of `shape`; `issued()` runs while it is in flight."""
-    return matmuls(shape, [(a, b)], issued)[0]
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        if issued is not None:
+            issued()
+        return acc_ref[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
 def matmul_add(acc, a, b):

@@ -4,7 +4,8 @@ specialisation, after FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608). For
 Why a second implementation: the Triton lowering keeps one warpgroup doing loads, matmuls and the
 softmax in turn. Here a CTA holds two compute warpgroups, each owning a 64-row block (query rows for
 the forward and dQ, keys for dK/dV; matmuls on wgmma with P and dS from registers, base 2 with the
-scale folded into one FMA), so one's softmax overlaps the other's matmuls, and one producer
+scale folded into one FMA), so one's softmax overlaps the other's matmuls (in the forward they
+are made to alternate: `frame.PingPong`), and one producer
 warpgroup streaming the other side's blocks by TMA through a ring of shared-memory slots
 (`frame.Ring`). The backward mirrors the Triton engine's (dQ and dK/dV kernels, no atomics,
 deterministic; P = exp2(s2 - lse2)). Each warpgroup walks only the blocks its rows can see
@@ -611,30 +612,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: Mo
         plgpu.barrier_wait(own_ready.at[2 * wg])
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
 
-        pingpong = ring.pingpong
-
         def step(t, dq, masked: bool):
             u = t - stream_lo  # the ring's step
             k_tile = ring.wait(u, 0)
-            s, dp = frame.matmuls((bq, bkv), [(q_tile, k_tile.transpose((1, 0))),
-                                              (do_tile, ring.wait(u, 1).transpose((1, 0)))], issued=pingpong.sync)
+            s = frame.matmul((bq, bkv), q_tile, k_tile.transpose((1, 0)))
+            dp = frame.matmul((bq, bkv), do_tile, ring.wait(u, 1).transpose((1, 0)))
             ring.release(u, 1)
             if masked:  # (padded keys are zero rows: s = 0 there, whose P could overflow)
                 keep = visible(spec, first + frame.iota(s.shape, 0), t * bkv + frame.iota(s.shape, 1), kv_len)
                 s = jnp.where(keep, s, -jnp.inf)
             p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(m2, s.shape, [0]))
-            ds = (p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))).astype(q_ref.dtype)
-            dq, ds = lax.optimization_barrier((dq, ds))  # the elementwise part ends at the passage
-            pingpong.sync()
-            dq = frame.matmul_add(dq, ds, k_tile)
+            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+            dq = frame.matmul_add(dq, ds.astype(q_ref.dtype), k_tile)
             ring.release(u, 0)
             return dq
 
-        pingpong.begin(wg)
         ring.follow(0, own_blocks[0] - stream_lo)
         dq = frame.walk(step, frame.zeros((bq, q_ref.shape[3])), own_blocks) * spec.scale
         ring.follow(own_blocks[3] - stream_lo, stream_hi - stream_lo)
-        pingpong.end(wg)
         if rotary is not None:
             dq = rotary(dq, rotary.own_base(wg), inverse=True)
         frame.store_tiles([(dq, q_tile, dq_ref.at[batch, rows, head])])
@@ -688,27 +683,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
         plgpu.barrier_wait(own_ready.at[2 * wg + 1])
         col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-        pingpong = ring.pingpong
-
         def step(i, carry, g, masked: bool):
             dk, dv = carry
             t = g * per_head + i - stream_lo  # the ring's step
             head, qrows = kv_head * group + g, pl.ds(i * bq, bq)
+            q_tile = ring.wait(t, 0)
+            st = frame.matmul((bkv, bq), k_tile, q_tile.transpose((1, 0)))
             m2, delta = (frame.load_gmem(x.at[batch, head, qrows], col_layout) for x in (m2_ref, delta_ref))
-            q_tile, do_tile = ring.wait(t, 0), ring.wait(t, 1)
-            st, dpt = frame.matmuls((bkv, bq), [(k_tile, q_tile.transpose((1, 0))),
-                                                (v_tile, do_tile.transpose((1, 0)))], issued=pingpong.sync)
+            do_tile = ring.wait(t, 1)
+            dpt = frame.matmul((bkv, bq), v_tile, do_tile.transpose((1, 0)))
             if masked:
                 keep = visible(spec, i * bq + frame.iota(st.shape, 1), first + frame.iota(st.shape, 0), kv_len)
                 st = jnp.where(keep, st, -jnp.inf)
             pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(m2, st.shape, [1]))
-            dst = (pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))).astype(q_ref.dtype)
-            pt = pt.astype(q_ref.dtype)
-            dk, dv, pt, dst = lax.optimization_barrier((dk, dv, pt, dst))  # the elementwise part ends here
-            pingpong.sync()
-            dv = frame.matmul_add(dv, pt, do_tile)
+            dv = frame.matmul_add(dv, pt.astype(q_ref.dtype), do_tile)
             ring.release(t, 1)
-            dk = frame.matmul_add(dk, dst, q_tile)
+            dst = pt * (dpt - lax.broadcast_in_dim(delta, st.shape, [1]))
+            dk = frame.matmul_add(dk, dst.astype(q_ref.dtype), q_tile)
             ring.release(t, 0)
             return dk, dv
 
@@ -720,9 +711,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, m2_ref, delta_ref, *refs, blocks: 
             return carry
 
         zeros = frame.zeros((bkv, k_ref.shape[3]))
-        pingpong.begin(wg)
         dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
-        pingpong.end(wg)
         dk = dk * spec.scale
         if rotary is not None:
             dk = rotary(dk, rotary.own_base(wg), inverse=True)
@@ -842,9 +831,9 @@ def flash_backward(q, k, v, do, m2, delta, spec: AttentionSpec, kv_len: int, blo
                      (jax.ShapeDtypeStruct((batch, kv_pad, dkdv_heads, head_dim), k.dtype),) * 2,
                      (dkdv_heads, batch, kv_pad // (2 * bkv)),
                      ("heads", "batch", "k_tiles"), own(bkv, k.dtype),
-                     frame.ring_scratch(blocks.num_stages_bwd, bq, head_dim, q.dtype, pingpong=True))
+                     frame.ring_scratch(blocks.num_stages_bwd, bq, head_dim, q.dtype))
     dq = frame.launch(functools.partial(_dq_kernel, **options), (q, k, v, do, m2, delta, *tables),
                  jax.ShapeDtypeStruct((batch, q_pad, dq_heads, head_dim), q.dtype), (dq_heads, batch, q_pad // (2 * bq)),
                  ("heads", "batch", "q_tiles"), own(bq, q.dtype),
-                 frame.ring_scratch(blocks.num_stages_bwd, bkv, head_dim, k.dtype, pingpong=True))
+                 frame.ring_scratch(blocks.num_stages_bwd, bkv, head_dim, k.dtype))
     return dq, dk, dv
