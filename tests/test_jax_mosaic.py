@@ -157,7 +157,8 @@ def test_visited_blocks_cover_the_mask(causal, window, q_len, kv_len):
     """The kernels' tile walk (`_partner_blocks`) against the element mask, both orientations: every
     visible pair lies in a visited block, every plain block is visible whole (real rows and
     partners; a padded key block is never plain), and the ranges grow with the block's first
-    row (which the two warpgroups' shared stream relies on)."""
+    row (which the two warpgroups' shared stream relies on: each passes every step of the pair's
+    stream, its own or `Ring.follow`'s, so their ring releases and ping-pong passages pair up)."""
     left, right = window or (None, None)
     spec = AttentionSpec(scale=1.0, causal=causal, window_left=left, window_right=right)
     rows, keys = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
