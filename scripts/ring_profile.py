@@ -83,13 +83,10 @@ def report(by: dict, strategy: str, timeline: bool) -> None:
         totals = collections.Counter()
         for a, b, name in events:
             totals[name[:60]] += (b - a) / 1e3
-        busy, end = 0.0, -float("inf")
-        for a, b, _ in events:
-            if b > end:
-                busy += b - max(a, end)
-                end = b
-        span = (events[-1][1] - events[0][0]) / 1e3
-        print(f"[{strategy}] {device}: kernels {sum(totals.values()):.1f} ms  busy {busy / 1e3:.1f}  span {span:.1f}")
+        start, end = events[0][0], max(b for _, b, _ in events)
+        idle = exposed(start, end, [(a, b) for a, b, _ in events])  # no kernel running
+        print(f"[{strategy}] {device}: kernels {sum(totals.values()):.1f} ms  busy {(end - start - idle) / 1e3:.1f}  "
+              f"span {(end - start) / 1e3:.1f}")
         for name, t in totals.most_common(4):
             print(f"   {t:9.2f}  {name}")
     device = sorted(by)[0]
