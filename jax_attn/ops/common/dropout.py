@@ -1,5 +1,6 @@
 """Attention dropout in JAX: the hash of `attn_spec.dropout` on jnp uint32 values. The Pallas kernels
-take a call's row and column bits (`tables`) and evaluate `keep` per tile; the plain reference
+take a call's row and column bits (`tables`) and the kept elements' factor (`scale_input`), and
+evaluate `keep` and `weight` per tile; the plain reference
 evaluates it over the whole [B, H, Sq, Sk] grid."""
 from __future__ import annotations
 
@@ -43,6 +44,19 @@ def col_bits(cols):
 def keep(row, col, rate: float):
     """Row and column bits broadcast against each other -> bool, True where kept."""
     return plan.keep(row, col, rate, JNP_OPS)
+
+
+def weight(keep, scale):
+    """1 / (1 - rate) where kept, else 0: the backward's factor of a kept probability and of dP.
+    `scale` is read from an input at run time (`scale_input`): with the factor a constant, the
+    compiler turns p * weight into a select on the 16-bit values after their conversion, or keeps a
+    p * 0 beside it. (The forward selects p and scales its output rows once.)"""
+    return jnp.where(keep, scale, 0.0)
+
+
+def scale_input(rate: float):
+    """float32 [1]: 1 / (1 - rate), the kernels' run-time `scale` of `weight`."""
+    return jnp.full((1,), 1.0 / (1.0 - rate), jnp.float32)
 
 
 def tables(seed, batch: int, num_heads: int, q_len: int, kv_len: int):

@@ -144,7 +144,7 @@ def side_specs_and_args(side, q_rows, q_block, kv_rows, kv_block, batch_row=lamb
     rows per block; q_block / kv_block map the grid ids to the block index along the sequence,
     batch_row to the row of the per-batch inputs (default: grid axis 1, the batch; a row map
     reads one row per batch and offset). The whole inputs (ALiBi's slopes [heads padded], dropout's
-    row and column bits) come whole, after the tables: the refs after them in the kernel, in order."""
+    row and column bits and its factor) come whole, after the tables: the refs after them in the kernel, in order."""
     q_info, kv_info, q_table, kv_table, *whole = side
     specs, args = [], []
     if q_info is not None:

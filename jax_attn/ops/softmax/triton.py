@@ -166,9 +166,11 @@ def _needs_mask(st: _Static, block_k: int) -> bool:
     return st.spec.has_position_mask or st.spec.has_segments or st.kv_len % block_k != 0
 
 
-def _dropped_minus(spec, dp, delta, keep):
-    """dP dropped and scaled by 1 / (1 - rate), minus delta: one FMA and one select per element."""
-    return jnp.where(keep, dp * (1.0 / (1.0 - spec.dropout)) - delta, -delta)
+def _dropout_inputs(rest, spec):
+    """(row bits, column bits, the kept elements' factor read once) popped from `rest`, or Nones."""
+    if not spec.dropout:
+        return None, None, None
+    return rest.pop(0), rest.pop(0), rest.pop(0)[0]
 
 
 def _visit(ranges_ref, body, carry, needs_mask: bool, stride: int = 1):
@@ -192,7 +194,7 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     spec = st.spec
     q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
     slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
-    drop_rows_ref, drop_cols_ref = (rest.pop(0), rest.pop(0)) if spec.dropout else (None, None)
+    drop_rows_ref, drop_cols_ref, drop_scale = _dropout_inputs(rest, spec)
     o_ref, lse_ref, m2_ref, inv_l_ref, *q_rot_ref = rest
     block_q, head_dim = st.blocks.block_q, q_ref.shape[-1]
     block_k = st.blocks.block_k
@@ -252,7 +254,7 @@ def _fwd_kernel(ranges_ref, q_ref, k_ref, v_ref, *refs, st: _Static):
     empty = l == 0.0  # no visible key: output 0, lse -inf
     l_safe = jnp.where(empty, 1.0, l)
     inv_l = 1.0 / l_safe
-    o_scale = inv_l * (1.0 / (1.0 - spec.dropout)) if spec.dropout else inv_l
+    o_scale = inv_l * drop_scale if spec.dropout else inv_l
     out_rows = q_rows if st.scatter else None  # under an ordering: scattered back to the original rows
     _put(o_ref, out_rows, acc * o_scale[:, None])
     _put(lse_ref, out_rows, jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) / LOG2E))
@@ -325,7 +327,7 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
     spec = st.spec
     q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
     slopes_ref = rest.pop(0) if spec.alibi else None
-    drop_rows_ref, drop_cols_ref = (rest.pop(0), rest.pop(0)) if spec.dropout else (None, None)
+    drop_rows_ref, drop_cols_ref, drop_scale = _dropout_inputs(rest, spec)
     dk_ref, dv_ref, *k_rot_ref = rest
     # the group's first query head (program ids are read outside the loops: the interpreter
     # cannot discharge them inside)
@@ -380,10 +382,11 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
             s, mask = _mask(spec, st, s, rows, cols, q_seg, kv_seg, q_orig, kv_orig)
         p = jnp.exp2(s - m2[None, :]) * inv_l[None, :]
         dp = tiles.dot(v, do, spec, trans_b=True)
-        if spec.dropout:  # dV takes the kept probabilities (1 / (1 - rate) once, at the store), dP the mask
-            keep = dropout.keep(drop_rows_ref[batch_row, first_head + g, tile][None, :], col_bits, spec.dropout)
-            dv = dv + tiles.dot(jnp.where(keep, p, 0.0).astype(do.dtype), do, spec)
-            ds = p * _dropped_minus(spec, dp, delta[None, :], keep)
+        if spec.dropout:  # dV takes the kept probabilities, dP the same factor
+            w = dropout.weight(dropout.keep(drop_rows_ref[batch_row, first_head + g, tile][None, :], col_bits,
+                                            spec.dropout), drop_scale)
+            dv = dv + tiles.dot((p * w).astype(do.dtype), do, spec)
+            ds = p * (dp * w - delta[None, :])
         else:
             dv = dv + tiles.dot(p.astype(do.dtype), do, spec)
             ds = p * (dp - delta[None, :])
@@ -396,8 +399,6 @@ def _dkdv_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, del
 
     carry = (jnp.zeros((block_k, head_dim), jnp.float32),) * 2
     dk, dv = _visit(ranges_ref, body, carry, _needs_mask(st, block_k), stride=group)
-    if spec.dropout:  # the kept probabilities' 1 / (1 - rate), once a key row
-        dv = dv * (1.0 / (1.0 - spec.dropout))
     if st.scatter and kv_rows is not None:  # back to the original rows (no RoPE under an ordering)
         _put(dk_ref, kv_rows, dk * spec.scale)
         _put(dv_ref, kv_rows, dv)
@@ -412,7 +413,7 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
     spec = st.spec
     q_info, kv_info, tables, rest = tiles.unpack(refs, spec)
     slope = rest.pop(0)[pl.program_id(2)] if spec.alibi else None
-    drop_rows_ref, drop_cols_ref = (rest.pop(0), rest.pop(0)) if spec.dropout else (None, None)
+    drop_rows_ref, drop_cols_ref, drop_scale = _dropout_inputs(rest, spec)
     (dq_ref,) = rest
     block_q, head_dim = st.blocks.block_q_dq, q_ref.shape[-1]
     block_k = st.blocks.block_k_dq
@@ -454,8 +455,8 @@ def _dq_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_ref, delta
         p = jnp.exp2(s - m2) * inv_l
         dp = tiles.dot(do, v, spec, trans_b=True)
         if spec.dropout:
-            keep = dropout.keep(row_bits, drop_cols_ref[tile][None, :], spec.dropout)
-            ds = p * _dropped_minus(spec, dp, delta, keep)
+            w = dropout.weight(dropout.keep(row_bits, drop_cols_ref[tile][None, :], spec.dropout), drop_scale)
+            ds = p * (dp * w - delta)
         else:
             ds = p * (dp - delta)
         if t is not None:
@@ -684,7 +685,7 @@ def flash_attention_pallas(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos
         rows_bits, cols_bits = dropout.tables(seed, batch, q.shape[2], q_pad, kv_pad)
         if order is not None:  # an ordered row takes its token's bits: the mask of the unordered call
             rows_bits, cols_bits = jnp.take(rows_bits, tokens(q_pad), axis=2), jnp.take(cols_bits, tokens(kv_pad))
-        side += [rows_bits, cols_bits]
+        side += [rows_bits, cols_bits, dropout.scale_input(spec.dropout)]
     if order is not None:  # the ordered sequence's side fields: ids of its tokens, their positions
         orig = jnp.broadcast_to(tokens(q_pad), (batch, q_pad))
         if spec.has_segments:

@@ -28,13 +28,18 @@ GOLDEN = tl.constexpr(plan.GOLDEN)
 SEED_ARGS = ("seed0", "seed1")
 TABLE_BLOCK = 1024
 
-__all__ = ["SEED_ARGS", "seed_args", "constexprs", "tables", "mix", "stream", "row_bits", "col_bits", "bits", "keep",
-           "kept_only", "dropped_minus"]
+__all__ = ["SEED_ARGS", "seed_args", "scale", "constexprs", "tables", "padded", "mix", "stream", "row_bits", "col_bits", "bits", "keep",
+           "kept_only", "weighted", "dropped_minus"]
 
 
 def seed_args(seed: tuple[int, int]) -> tuple[int, int]:
     """The tables kernel's (seed0, seed1) scalars of the seed words."""
     return seed[0] + 2 ** 32, seed[1] + 2 ** 32
+
+
+def scale(rate: float) -> float:
+    """The kept elements' factor 1 / (1 - rate), a run-time argument of the kernels (`weighted`)."""
+    return 1.0 / (1.0 - rate)
 
 
 def constexprs(rate: float) -> dict:
@@ -91,10 +96,18 @@ def tables(seed: tuple[int, int], streams: int, q_len: int, kv_len: int, device)
     return rows, cols
 
 
+def padded(tables: tuple[torch.Tensor, torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables flat with `pad` entries more (any values: the rows and keys past the sequence
+    ends are invisible), so that the kernels load a block at any offset below the length without a
+    mask (a masked load of the keys' bits in the tiles' loop costs a predicate per element)."""
+    rows, cols = tables
+    return (torch.nn.functional.pad(rows.reshape(-1), (0, pad)), torch.nn.functional.pad(cols, (0, pad)))
+
+
 @triton.jit
-def bits(table, offs, n):
-    """A table's uint32 bits at offs (0 past n, where nothing is kept or read)."""
-    return tl.load(table + offs, mask=offs < n, other=0).to(tl.uint32, bitcast=True)
+def bits(table, offs):
+    """A table's uint32 bits at offs (`padded`: a block past the length reads the pad)."""
+    return tl.load(table + offs).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -105,11 +118,20 @@ def keep(row, col, DROP_THRESHOLD: tl.constexpr):
 
 @triton.jit
 def kept_only(x, kept):
-    """x where kept, else 0 (the 1 / (1 - rate) applied once to the row's sum instead)."""
+    """x where kept, else 0 (the forward applies 1 / (1 - rate) once a row, to the output)."""
     return tl.where(kept, x, 0.0)
 
 
 @triton.jit
-def dropped_minus(dp, delta, kept, DROPOUT: tl.constexpr):
-    """dP dropped and scaled by 1 / (1 - rate), minus delta: one FMA and one select per element."""
-    return tl.where(kept, dp * (1.0 / (1.0 - DROPOUT)) - delta, -delta)
+def weighted(x, kept, scale):
+    """x * 1 / (1 - rate) where kept, else 0 (the backward's P for dV, dP). scale is that factor as a
+    run-time scalar: with a constant factor the compiler turns the product into a select on the
+    16-bit values after their conversion (two extra instructions per element) or keeps an x * 0
+    beside it."""
+    return x * tl.where(kept, scale, 0.0)
+
+
+@triton.jit
+def dropped_minus(dp, delta, kept, scale):
+    """dP dropped and scaled (`weighted`), minus delta: one select and one FMA per element."""
+    return dp * tl.where(kept, scale, 0.0) - delta

@@ -35,12 +35,13 @@ else is emitted. With per-head offsets inside a GQA group (DKV_PER_QHEAD) the dK
 one program per query head and writes dk, dv per query head; the caller sums each group.
 
 Dropout (constexprs DROPOUT, the rate, and DROP_THRESHOLD; DROP_ROWS [B, Hq, Sq] and DROP_COLS [Sk],
-the rows' and keys' hashes of `attn_spec.dropout`, built once per call by `hash_dropout`):
+the rows' and keys' hashes of `attn_spec.dropout`, built once per call by `hash_dropout` and padded
+for mask-free loads; DROP_SCALE, 1 / (1 - rate) as a run-time scalar, see `triton_dropout.weighted`):
 each tile's mask is their product against the threshold, so the backward kernels regenerate the
-forward's. The forward drops the probabilities after their sum l (the lse stays the softmax's)
-and before the PV product; dK/dV takes the kept probabilities for dV (scaled once at the store)
-and masks and scales dP; dQ masks and scales dP; dS = P * (dP - delta) with delta_i = sum_d dO_i
-O_i - dlse_i as without dropout. DROPOUT = 0 (the default) compiles none of it, and the tables are
+forward's. The forward drops the probabilities after their sum l (the lse stays the softmax's) and
+before the PV product, and scales its output rows once; dK/dV takes the kept probabilities, scaled,
+for dV and drops and scales dP; dQ drops and scales dP; dS = P * (dP - delta) with delta_i = sum_d
+dO_i O_i - dlse_i as without dropout. DROPOUT = 0 (the default) compiles none of it, and the tables are
 then None (constexprs): the kernels are those without dropout.
 
 Orderings (constexprs ORDERED, SCATTER; ORIG, its strides, Ssrc and BATCH_DIV;
@@ -57,6 +58,7 @@ the environment before that happens.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -314,7 +316,7 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
         p = tl.exp2(s2 - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DROPOUT > 0:  # l is the softmax's sum; dropout acts on the probabilities after it
-            p = drop.kept_only(p, drop.keep(drop_rows, drop.bits(DROP_COLS, cols, Sk)[None, :], DROP_THRESHOLD))
+            p = drop.kept_only(p, drop.keep(drop_rows, drop.bits(DROP_COLS, cols)[None, :], DROP_THRESHOLD))
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
@@ -325,7 +327,7 @@ def _fwd_inner(acc, l_i, m_i, q, q2, qs, k_base, v_base, ks_base, kp_base, sks, 
 def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGES, ALIBI,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd, sob, sos, soh, sod,
                 sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right, aoff, DROP_ROWS, DROP_COLS,
+                Hq, GROUP, Sq, Sk, score_mul, cap_mul, left, right, aoff, DROP_ROWS, DROP_COLS, DROP_SCALE,
                 ORIG, sorb, sors, Ssrc, BATCH_DIV,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -377,7 +379,7 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
 
     drop_rows = None  # the query rows' dropout bits
     if DROPOUT > 0:
-        drop_rows = drop.bits(DROP_ROWS + (b * Hq + h) * Sq, offs_m, Sq)[:, None]
+        drop_rows = drop.bits(DROP_ROWS + (b * Hq + h) * Sq, offs_m)[:, None]
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -408,7 +410,7 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
     l_safe = tl.where(empty, 1.0, l_i)
     inv_l = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), l_safe)  # correctly rounded, once a row
     if DROPOUT > 0:  # the kept probabilities' 1 / (1 - rate), once a row
-        out = acc * (inv_l * (1.0 / (1.0 - DROPOUT)))[:, None]
+        out = acc * (inv_l * DROP_SCALE)[:, None]
     else:
         out = acc * inv_l[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
@@ -429,7 +431,7 @@ def _fwd_kernel(Q, K, V, O, LSE, M2, INV_L, QSEG, KSEG, THETA, QPOS, KPOS, RANGE
 @triton.jit
 def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base, delta_base, qs_base,
                 qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk,
-                left, right, score_mul, cap_mul, slope2, aoff, drop_rows, drop_cols, blk_lo, blk_hi,
+                left, right, score_mul, cap_mul, slope2, aoff, drop_rows, drop_cols, drop_scale, blk_lo, blk_hi,
                 qo_base, sors, Ssrc, ko,
                 BLOCK_M: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
                 POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -502,10 +504,10 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
             if ROPE:
                 q2 = tl.where(row_ok[:, None], q2, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        if DROPOUT > 0:  # dV takes the kept probabilities (1 / (1 - rate) once, at the store), dP the mask
-            keptT = drop.keep(drop.bits(drop_rows, rows, Sq)[None, :], drop_cols, DROP_THRESHOLD)
-            dv = tl.dot(drop.kept_only(pT, keptT).to(do.dtype), do, dv, input_precision=PRECISION)
-            dsT = pT * drop.dropped_minus(dpT, delta[None, :], keptT, DROPOUT)
+        if DROPOUT > 0:  # dV takes the kept probabilities, dP the mask
+            keptT = drop.keep(drop.bits(drop_rows, rows)[None, :], drop_cols, DROP_THRESHOLD)
+            dv = tl.dot(drop.weighted(pT, keptT, drop_scale).to(do.dtype), do, dv, input_precision=PRECISION)
+            dsT = pT * drop.dropped_minus(dpT, delta[None, :], keptT, drop_scale)
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
             dsT = pT * (dpT - delta[None, :])
@@ -524,7 +526,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                      sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
                      sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                     Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, DROP_ROWS, DROP_COLS,
+                     Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, DROP_ROWS, DROP_COLS, DROP_SCALE,
                      ORIG, sorb, sors, Ssrc, BATCH_DIV,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -600,7 +602,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     drop_cols = None  # the keys' dropout bits
     if DROPOUT > 0:
-        drop_cols = drop.bits(DROP_COLS, offs_n, Sk)[:, None]
+        drop_cols = drop.bits(DROP_COLS, offs_n)[:, None]
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_n)
     for g in range(n_heads):
         if DKV_PER_QHEAD:
@@ -622,27 +624,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
                                   offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
-                                  aoff, drop_rows, drop_cols, b_lo, f_lo, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
+                                  aoff, drop_rows, drop_cols, DROP_SCALE, b_lo, f_lo, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
                                   HALF, CHECK_D, CHECK_H, True,
                                   IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                                   HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED, SCATTER)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
                                   offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
-                                  aoff, drop_rows, drop_cols, f_lo, f_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
+                                  aoff, drop_rows, drop_cols, DROP_SCALE, f_lo, f_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
                                   HALF, CHECK_D, CHECK_H, False,
                                   IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                                   HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED, SCATTER)
         dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, inv_l_base,
                                   delta_base, qs_base, qp_base, sqs, sqd, sdos, sdod, sqss, sqps, theta, offs_m,
                                   offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul, cap_mul, slope2,
-                                  aoff, drop_rows, drop_cols, f_hi, b_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
+                                  aoff, drop_rows, drop_cols, DROP_SCALE, f_hi, b_hi, orig_base, sors, Ssrc, ko[:, None], BLOCK_M,
                                   HALF, CHECK_D, CHECK_H, True,
                                   IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                                   HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED, SCATTER)
 
-    if DROPOUT > 0:  # the kept probabilities' 1 / (1 - rate), once a key row
-        dv = dv * (1.0 / (1.0 - DROPOUT))
     if ROPE:
         # ds/dk' = scale * q' (the softcap factor is already in ds); dk = R^T dk'
         store_unrotated(DK + b * sdkb + hk * sdkh, offs_n, n_ok, sdks, sdkd, dk * sm_scale, dk2 * sm_scale,
@@ -667,7 +667,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, M2, INV_L, DELTA, DK, DV, QSEG, KSEG, THETA, Q
 @triton.jit
 def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs, svd,
               sks_s, skp_s, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right, score_mul,
-              cap_mul, slope2, aoff, drop_rows, DROP_COLS, blk_lo, blk_hi, ko_base, sors, Ssrc, qo,
+              cap_mul, slope2, aoff, drop_rows, DROP_COLS, drop_scale, blk_lo, blk_hi, ko_base, sors, Ssrc, qo,
               BLOCK_N: tl.constexpr, HALF: tl.constexpr, CHECK_D: tl.constexpr, CHECK_H: tl.constexpr,
               POSITIONAL: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_SEGMENTS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
@@ -697,8 +697,8 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
         p = tl.exp2(s2 - m2[:, None]) * inv_l[:, None]
         dp = tl.dot(do, vT, input_precision=PRECISION)
         if DROPOUT > 0:
-            kept = drop.keep(drop_rows, drop.bits(DROP_COLS, cols, Sk)[None, :], DROP_THRESHOLD)
-            ds = p * drop.dropped_minus(dp, delta[:, None], kept, DROPOUT)
+            kept = drop.keep(drop_rows, drop.bits(DROP_COLS, cols)[None, :], DROP_THRESHOLD)
+            ds = p * drop.dropped_minus(dp, delta[:, None], kept, drop_scale)
         else:
             ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -725,7 +725,7 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
                    sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                    sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
                    sqsb, sqss, sksb, skss, sqpb, sqps, skpb, skps,
-                   Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, DROP_ROWS, DROP_COLS,
+                   Hq, GROUP, Sq, Sk, score_mul, cap_mul, sm_scale, left, right, aoff, DROP_ROWS, DROP_COLS, DROP_SCALE,
                    ORIG, sorb, sors, Ssrc, BATCH_DIV,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_H: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -785,7 +785,7 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
 
     drop_rows = None  # the query rows' dropout bits
     if DROPOUT > 0:
-        drop_rows = drop.bits(DROP_ROWS + (b * Hq + h) * Sq, offs_m, Sq)[:, None]
+        drop_rows = drop.bits(DROP_ROWS + (b * Hq + h) * Sq, offs_m)[:, None]
 
     if ROPE:
         dq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -796,19 +796,19 @@ def _bwd_dq_kernel(Q, K, V, DO, M2, INV_L, DELTA, DQ, QSEG, KSEG, THETA, QPOS, K
     b_lo, f_lo, f_hi, b_hi = _visited(RANGES, pid_m)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, b_lo, f_lo, orig_base, sors, Ssrc, qo[:, None],
+                        score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, DROP_SCALE, b_lo, f_lo, orig_base, sors, Ssrc, qo[:, None],
                         BLOCK_N, HALF, CHECK_D, CHECK_H,
                         True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                         HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, f_lo, f_hi, orig_base, sors, Ssrc, qo[:, None],
+                        score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, DROP_SCALE, f_lo, f_hi, orig_base, sors, Ssrc, qo[:, None],
                         BLOCK_N, HALF, CHECK_D, CHECK_H,
                         False, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                         HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
     dq, dq2 = _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base, kp_base, sks, skd, svs,
                         svd, skss, skps, theta, offs_m, offs_n, offs_d, offs_h, d_ok, h_ok, Sq, Sk, left, right,
-                        score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, f_hi, b_hi, orig_base, sors, Ssrc, qo[:, None],
+                        score_mul, cap_mul, slope2, aoff, drop_rows, DROP_COLS, DROP_SCALE, f_hi, b_hi, orig_base, sors, Ssrc, qo[:, None],
                         BLOCK_N, HALF, CHECK_D, CHECK_H,
                         True, IS_CAUSAL, HAS_WINDOW, HAS_SEGMENTS, HAS_SOFTCAP, ROPE, ROPE_INTERLEAVED, PRECISION,
                         HAS_ALIBI, DROPOUT, DROP_THRESHOLD, ORDERED)
@@ -918,14 +918,16 @@ def hash_dropout(dropout, q, k, order=None):
     return rate, (rows, cols)
 
 
-def _dropout_args(dropout, row_map):
-    """((DROP_ROWS, DROP_COLS), constexprs) of a launch: dropout = `hash_dropout`'s or None."""
+def _dropout_args(dropout, row_map, cfg: BlockSizes):
+    """((DROP_ROWS, DROP_COLS, DROP_SCALE), constexprs) of a launch: dropout = `hash_dropout`'s or
+    None; the tables padded by the launch's largest block."""
     if dropout is None:
-        return (None, None), {}
+        return (None, None, None), {}
     if row_map is not None:
         raise NotImplementedError("dropout with a row map (dilated attention) is not implemented")
     rate, tables = dropout
-    return tables, drop.constexprs(rate)
+    pad = max(getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("block_"))
+    return (*drop.padded(tables, pad), drop.scale(rate)), drop.constexprs(rate)
 
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
@@ -968,7 +970,7 @@ def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, win
     alibi_args = _alibi_args(alibi, q)
     if gather is not None and alibi_args[1]:
         raise NotImplementedError("ALiBi with an ordering takes the original distance: no offset")
-    drop_tables, drop_kw = _dropout_args(dropout, row_map)
+    drop_tables, drop_kw = _dropout_args(dropout, row_map, cfg)
     gather_args, gather_kw = _gather_args(gather, q)
     grid = (triton.cdiv(Sq, cfg.block_q), Hq, B)
     with device_ctx(q):
@@ -1029,7 +1031,7 @@ def backward(do, q, k, v, out, stats, *, causal: bool, scale: float, q_ids=None,
     rope_ptrs, rope_strides, rope_flags = rope_args(rope, q_pos, kv_pos, q)
     score_mul, cap_mul = _score_constants(scale, softcap)
     left, right = window if window is not None else (0, 0)
-    drop_tables, drop_kw = _dropout_args(dropout, row_map)
+    drop_tables, drop_kw = _dropout_args(dropout, row_map, cfg)
     gather_args, gather_kw = _gather_args(gather, q)
     common = dict(HEAD_DIM=D, BLOCK_D=block_d(D), PRECISION=precision(q.dtype), num_warps=cfg.num_warps_bwd,
                   num_stages=cfg.num_stages_bwd, **_flags(causal, window, q_ids, softcap), **rope_flags,
