@@ -41,6 +41,11 @@ def threshold(rate: float) -> int:
     return min(int(round(rate * 2 ** 32)), 2 ** 32 - 1)
 
 
+def scale(rate: float) -> float:
+    """The kept elements' factor 1 / (1 - rate)."""
+    return 1.0 / (1.0 - rate)
+
+
 def seed_words(seed: int) -> tuple[int, int]:
     """An int seed in [0, 2^64) -> (s0, s1), the high and the low word (threefry's key layout)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 64:

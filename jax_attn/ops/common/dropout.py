@@ -56,7 +56,7 @@ def weight(keep, scale):
 
 def scale_input(rate: float):
     """float32 [1]: 1 / (1 - rate), the kernels' run-time `scale` of `weight`."""
-    return jnp.full((1,), 1.0 / (1.0 - rate), jnp.float32)
+    return jnp.full((1,), plan.scale(rate), jnp.float32)
 
 
 def tables(seed, batch: int, num_heads: int, q_len: int, kv_len: int):

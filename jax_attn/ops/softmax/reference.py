@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attn_spec import dropout as plan
 from jax_attn.ops.common import dropout
 from jax_attn.ops.common.rope import apply_rope
 from jax_attn.ops.common.spec import AttentionSpec, visible
@@ -64,7 +65,7 @@ def attention_reference(q, k, v, q_seg, kv_seg, spec: AttentionSpec, *, q_pos=No
             col_bits = jnp.take_along_axis(col_bits, kv_tokens, axis=1)
         keep = dropout.keep(row_bits[..., None], col_bits[:, None, None, :], spec.dropout)
         keep = keep.reshape(batch, num_kv_heads, group, q_len, kv_len)
-        p = jnp.where(keep, p * (1.0 / (1.0 - spec.dropout)), jnp.zeros((), p.dtype))
+        p = jnp.where(keep, p * plan.scale(spec.dropout), jnp.zeros((), p.dtype))
     out = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, precision=spec.precision)
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
     out = out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)

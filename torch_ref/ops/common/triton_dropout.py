@@ -28,18 +28,13 @@ GOLDEN = tl.constexpr(plan.GOLDEN)
 SEED_ARGS = ("seed0", "seed1")
 TABLE_BLOCK = 1024
 
-__all__ = ["SEED_ARGS", "seed_args", "scale", "constexprs", "tables", "padded", "mix", "stream", "row_bits", "col_bits", "bits", "keep",
-           "kept_only", "weighted", "dropped_minus"]
+__all__ = ["SEED_ARGS", "seed_args", "constexprs", "tables", "padded", "mix", "stream", "row_bits", "col_bits", "bits", "keep",
+           "kept_only", "weight"]
 
 
 def seed_args(seed: tuple[int, int]) -> tuple[int, int]:
     """The tables kernel's (seed0, seed1) scalars of the seed words."""
     return seed[0] + 2 ** 32, seed[1] + 2 ** 32
-
-
-def scale(rate: float) -> float:
-    """The kept elements' factor 1 / (1 - rate), a run-time argument of the kernels (`weighted`)."""
-    return 1.0 / (1.0 - rate)
 
 
 def constexprs(rate: float) -> dict:
@@ -123,15 +118,9 @@ def kept_only(x, kept):
 
 
 @triton.jit
-def weighted(x, kept, scale):
-    """x * 1 / (1 - rate) where kept, else 0 (the backward's P for dV, dP). scale is that factor as a
-    run-time scalar: with a constant factor the compiler turns the product into a select on the
-    16-bit values after their conversion (two extra instructions per element) or keeps an x * 0
-    beside it."""
-    return x * tl.where(kept, scale, 0.0)
-
-
-@triton.jit
-def dropped_minus(dp, delta, kept, scale):
-    """dP dropped and scaled (`weighted`), minus delta: one select and one FMA per element."""
-    return dp * tl.where(kept, scale, 0.0) - delta
+def weight(kept, scale):
+    """1 / (1 - rate) where kept, else 0: the backward's factor of a kept probability and of dP.
+    scale is that factor as a run-time scalar: with it a constant, the compiler turns p * weight
+    into a select on the 16-bit values after their conversion (two extra instructions per element)
+    or keeps a p * 0 beside it."""
+    return tl.where(kept, scale, 0.0)

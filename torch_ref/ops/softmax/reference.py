@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from attn_spec import dropout as plan
 from ..common import dropout as drop
 from ..common.rope import apply_rope
 
@@ -100,7 +101,7 @@ def attention(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, w
         if orig is not None:  # the ordered rows' tokens' pairs: the mask of the unordered call
             tokens = orig.reshape(-1).to(torch.int64)
             keep = keep.index_select(2, tokens).index_select(3, tokens)
-        p = torch.where(keep, p * (1.0 / (1.0 - rate)), torch.zeros((), dtype=stat, device=p.device))
+        p = torch.where(keep, p * plan.scale(rate), torch.zeros((), dtype=stat, device=p.device))
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(q.dtype), v)
 
     lse = torch.where(empty, torch.full((), float("-inf"), dtype=stat, device=l.device), m + torch.log(l_safe))

@@ -36,7 +36,7 @@ one program per query head and writes dk, dv per query head; the caller sums eac
 
 Dropout (constexprs DROPOUT, the rate, and DROP_THRESHOLD; DROP_ROWS [B, Hq, Sq] and DROP_COLS [Sk],
 the rows' and keys' hashes of `attn_spec.dropout`, built once per call by `hash_dropout` and padded
-for mask-free loads; DROP_SCALE, 1 / (1 - rate) as a run-time scalar, see `triton_dropout.weighted`):
+for mask-free loads; DROP_SCALE, 1 / (1 - rate) as a run-time scalar, see `triton_dropout.weight`):
 each tile's mask is their product against the threshold, so the backward kernels regenerate the
 forward's. The forward drops the probabilities after their sum l (the lse stays the softmax's) and
 before the PV product, and scales its output rows once; dK/dV takes the kept probabilities, scaled,
@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_spec import dropout as plan
 from attn_spec.dilation import RowMap
 from attn_spec.tiles import BlockSizes
 
@@ -506,8 +507,9 @@ def _dkdv_inner(dk, dk2, dv, k, k2, kT, kT2, v, ks, q_base, do_base, m2_base, in
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT > 0:  # dV takes the kept probabilities, dP the mask
             keptT = drop.keep(drop.bits(drop_rows, rows)[None, :], drop_cols, DROP_THRESHOLD)
-            dv = tl.dot(drop.weighted(pT, keptT, drop_scale).to(do.dtype), do, dv, input_precision=PRECISION)
-            dsT = pT * drop.dropped_minus(dpT, delta[None, :], keptT, drop_scale)
+            wT = drop.weight(keptT, drop_scale)
+            dv = tl.dot((pT * wT).to(do.dtype), do, dv, input_precision=PRECISION)
+            dsT = pT * (dpT * wT - delta[None, :])
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
             dsT = pT * (dpT - delta[None, :])
@@ -698,7 +700,7 @@ def _dq_inner(dq, dq2, q, q2, do, m2, inv_l, delta, qs, k_base, v_base, ks_base,
         dp = tl.dot(do, vT, input_precision=PRECISION)
         if DROPOUT > 0:
             kept = drop.keep(drop_rows, drop.bits(DROP_COLS, cols)[None, :], DROP_THRESHOLD)
-            ds = p * drop.dropped_minus(dp, delta[:, None], kept, drop_scale)
+            ds = p * (dp * drop.weight(kept, drop_scale) - delta[:, None])
         else:
             ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -927,7 +929,7 @@ def _dropout_args(dropout, row_map, cfg: BlockSizes):
         raise NotImplementedError("dropout with a row map (dilated attention) is not implemented")
     rate, tables = dropout
     pad = max(getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("block_"))
-    return (*drop.padded(tables, pad), drop.scale(rate)), drop.constexprs(rate)
+    return (*drop.padded(tables, pad), plan.scale(rate)), drop.constexprs(rate)
 
 
 def forward(q, k, v, *, causal: bool, scale: float, q_ids=None, kv_ids=None, window=None, softcap=None,
