@@ -190,26 +190,33 @@ def store(key: str, record: dict, path=None) -> Path:
 # ------------------------------------------------------------------------------------------------
 # candidates
 # ------------------------------------------------------------------------------------------------
-_FWD_BLOCKS = ("block_q", "block_k")
+def is_backward_field(name: str) -> bool:
+    """A tile config field that only the backward kernels read (the configs name them ..._bwd,
+    ..._dkv, ..._dq); the others are the forward's."""
+    return name.endswith(("_bwd", "_dkv", "_dq"))
+
+
+def int_fields(config) -> dict[str, int]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if isinstance(getattr(config, f.name), int) and not isinstance(getattr(config, f.name), bool)}
 
 
 def candidate_configs(default, valid: Callable[[Any], bool], max_configs: int = 8,
-                      canonical: Callable[[Any], Any] = lambda config: config) -> list:
+                      canonical: Callable[[Any], Any] = lambda config: config,
+                      vary: Callable[[str], bool] = lambda name: True) -> list:
     """`default` first, then its neighbours (forward tiles, backward tiles, single tile sides doubled
-    and halved; pipeline stages one more and one fewer), each built through the config class (so its
-    own checks apply) and kept where `valid(config)` (the registry's checks for the call); at most
-    `max_configs`, duplicates dropped (two configs are the same when `canonical` maps them to equal
-    values: e.g. `BlockSizes.fitted(q_len, kv_len)`, tiles larger than the sequence run as smaller ones)."""
+    and halved; pipeline stages one more and one fewer) in the fields `vary` names, each built
+    through the config class (so its own checks apply) and kept where `valid(config)` (the
+    registry's checks for the call); at most `max_configs`, duplicates dropped (two configs are the
+    same when `canonical` maps them to equal values: e.g. `BlockSizes.fitted(q_len, kv_len)`, tiles
+    larger than the sequence run as smaller ones)."""
     if default is None:
         return [None]
-    fields = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
-    ints = [n for n, v in fields.items() if isinstance(v, int) and not isinstance(v, bool)]
-    blocks = [n for n in ints if n.startswith("block_")]
-    fwd = [n for n in blocks if n in _FWD_BLOCKS]
-    bwd = [n for n in blocks if n not in _FWD_BLOCKS]
-    stages = [n for n in ints if n.startswith("num_stages")]
+    fields = int_fields(default)
+    blocks = [n for n in fields if n.startswith("block_")]
+    stages = [n for n in fields if n.startswith("num_stages")]
     changes: list[dict] = []
-    for group in (fwd, bwd):
+    for group in ([n for n in blocks if not is_backward_field(n)], [n for n in blocks if is_backward_field(n)]):
         for factor in (2, 0.5):
             if group:
                 changes.append({n: int(fields[n] * factor) for n in group})
@@ -223,6 +230,8 @@ def candidate_configs(default, valid: Callable[[Any], bool], max_configs: int = 
     for change in changes:
         if len(out) >= max_configs:
             break
+        if not all(vary(n) for n in change):
+            continue
         try:
             config = dataclasses.replace(default, **change)
         except (TypeError, ValueError):
@@ -337,11 +346,14 @@ def _from_record(registry, variant, implementation, call, record, key, path):
 
 
 def record_of(rows: Iterable[dict], mode: str, versions: dict[str, str]) -> tuple[dict, dict] | None:
-    """(fastest row, cache entry) of the timed candidates (rows: dicts with implementation, config
-    and ms, None where the candidate failed), or None when none ran. The entry keeps the fastest
+    """(fastest row, cache entry) of the candidates timed in `mode` (rows: dicts with
+    implementation, config, ms, None where the candidate failed, and mode, default `mode`), or None
+    when none ran. The entry keeps the fastest
     implementation and every timed implementation's fastest config and time."""
     per_impl: dict[str, dict] = {}
     for r in rows:
+        if r.get("mode", mode) != mode:  # a search step timed in another mode
+            continue
         if r.get("ms") is not None and (r["implementation"] not in per_impl
                                         or r["ms"] < per_impl[r["implementation"]]["ms"]):
             per_impl[r["implementation"]] = r
@@ -359,13 +371,21 @@ def record_of(rows: Iterable[dict], mode: str, versions: dict[str, str]) -> tupl
 # The tuning loop, the same for both frameworks (each supplies its `time_call`)
 # ------------------------------------------------------------------------------------------------
 MODES = ("fwd", "fwd+bwd")
+BATCH_S = 0.01  # a timed repetition runs back-to-back calls for about this long
+
+
+def batch_size(one_call_s: float) -> int:
+    """Calls per timed repetition, from one call's seconds: about BATCH_S of them (at least one, at
+    most 1000), so that a call of a fraction of a millisecond is timed on the device, not in its
+    dispatch and synchronisation."""
+    return max(1, min(1000, round(BATCH_S / max(one_call_s, 1e-6))))
 
 
 @dataclasses.dataclass(frozen=True)
 class TuneResult:
     """The autotuner's answer: the cache key, the fastest (implementation, config) and its time,
-    every timed candidate (dicts: implementation, config, ms, error) and the file written (None
-    when store=False)."""
+    every timed candidate (dicts: implementation, config, mode, ms, error; the forward's tiles are
+    searched on mode "fwd" rows) and the file written (None when store=False)."""
 
     key: str
     implementation: str
@@ -395,14 +415,18 @@ def probed(fn, args, kwargs, cache=None) -> Probe:
     return p
 
 
-def _candidates(registry, entry, call, configs, max_configs, lengths):
-    if entry.config_type() is None:
-        return [None]
-    if configs is not None:
-        given = configs.get(entry.name) if isinstance(configs, dict) else configs
-        out = [registry.check_config(entry, c, call) for c in (given or ()) if isinstance(c, entry.config_type())]
-        return out or [registry.check_config(entry, None, call)]
+def _given(registry, entry, call, configs):
+    """The caller's candidates for this implementation (its config type's), else its default."""
+    given = configs.get(entry.name) if isinstance(configs, dict) else configs
+    out = [registry.check_config(entry, c, call) for c in (given or ()) if isinstance(c, entry.config_type())]
+    return out or [registry.check_config(entry, None, call)]
 
+
+def _searched(registry, entry, call, max_configs, lengths, time_one, mode):
+    """The timed rows of the default config's neighbours. The forward's fields are chosen on the
+    forward's time; in mode fwd+bwd the backward's fields then on the forward+backward's, with the
+    forward's chosen (the kernels read apart: each side's tiles vary alone, and a faster forward
+    is not lost in the backward's noise); the default config stays a candidate to the end."""
     def valid(c):
         try:
             registry.check_config(entry, c, call)
@@ -412,7 +436,18 @@ def _candidates(registry, entry, call, configs, max_configs, lengths):
 
     def canonical(c):  # tiles past the sequence run as smaller ones: the same kernel
         return c.fitted(*lengths) if hasattr(c, "fitted") else c
-    return candidate_configs(registry.check_config(entry, None, call), valid, max_configs, canonical)
+
+    default = registry.check_config(entry, None, call)
+    rows = [time_one(c, "fwd") for c in candidate_configs(default, valid, max_configs, canonical,
+                                                           vary=lambda n: not is_backward_field(n))]
+    if mode == "fwd":
+        return rows
+    ran = [r for r in rows if r["ms"] is not None]
+    forward = min(ran, key=lambda r: r["ms"])["config"] if ran else default
+    configs = candidate_configs(forward, valid, max_configs, canonical, vary=is_backward_field)
+    if canonical(default) not in {canonical(c) for c in configs}:
+        configs.append(default)
+    return rows + [time_one(c, "fwd+bwd") for c in configs]
 
 
 _store = store  # `tune`'s argument `store` (a bool) shadows it there
@@ -477,17 +512,23 @@ def tune(fn: Callable, args, kwargs: dict, time_call: Callable, versions: dict[s
             if implementations is not None:
                 raise NotImplementedError(f"implementation={name!r} cannot serve this call: {reason}")
             continue
-        lengths = (args[0].shape[1], args[1].shape[1])
-        for config in _candidates(p.registry, entry, p.call, configs, max_configs, lengths):
-            row = {"implementation": name, "config": config, "ms": None, "error": None}
+
+        def time_one(config, timed_mode, _n=name):
+            row = {"implementation": _n, "config": config, "mode": timed_mode, "ms": None, "error": None}
             try:
                 with using_path(DISABLED):  # the candidate runs as given, whatever the cache holds
-                    row["ms"] = time_call(lambda *a, _n=name, _c=config: fn(*a, implementation=_n, config=_c,
-                                                                           **kwargs),
-                                          args, mode=mode, warmup=warmup, reps=reps)
+                    row["ms"] = time_call(lambda *a: fn(*a, implementation=_n, config=config, **kwargs),
+                                          args, mode=timed_mode, warmup=warmup, reps=reps)
             except Exception as e:  # a tile that does not compile here (e.g. shared memory) is no answer
                 row["error"] = f"{type(e).__name__}: {e}"
-            rows.append(row)
+            return row
+
+        if entry.config_type() is None or configs is not None:
+            rows += [time_one(c, mode) for c in ([None] if entry.config_type() is None
+                                                 else _given(p.registry, entry, p.call, configs))]
+        else:
+            rows += _searched(p.registry, entry, p.call, max_configs, (args[0].shape[1], args[1].shape[1]),
+                              time_one, mode)
     result = record_of(rows, mode, versions)
     if result is None:
         raise RuntimeError(f"autotune: no candidate ran for {p.key}: " +

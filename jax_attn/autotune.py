@@ -8,7 +8,9 @@ and stores the fastest in the on-disk cache that implementation=None and config=
 `jax.nn.dot_product_attention`, and says why a row cannot serve the call.
 
 Timing: the function and its gradient are jitted; `warmup` untimed calls (compilation and the first
-run stay out), then `reps` calls each closed by `jax.block_until_ready`; the median is kept.
+run stay out), one more to size the batch, then `reps` repetitions of back-to-back calls (about
+10 ms of them, `attn_spec.autotune.batch_size`) each closed by `jax.block_until_ready`; the median
+time per call is kept.
 """
 from __future__ import annotations
 
@@ -42,14 +44,17 @@ def time_call(f: Callable, args: Sequence, *, mode: str = "fwd", warmup: int = 1
     `grad_argnums` (mode "fwd+bwd", forward included), jitted; compilation is in the warm-up."""
     tuning.check_timing(mode, warmup, reps)
     g = jax.jit(f if mode == "fwd" else jax.grad(_loss_fn(f), argnums=grad_argnums))
+    def timed(calls: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = g(*args)  # only the last is kept: they run in order
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / calls
+
     for _ in range(max(warmup, 1)):  # at least one: compilation never lands in a timed call
         jax.block_until_ready(g(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(g(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    n = tuning.batch_size(timed(1))
+    return statistics.median(timed(n) for _ in range(reps)) * 1e3
 
 
 def autotune(fn: Callable, *args, variant: str | None = None, implementations: Sequence[str] | None = None,
@@ -65,10 +70,11 @@ def autotune(fn: Callable, *args, variant: str | None = None, implementations: S
     implementations: names to time (default: every implementation of the variant that can serve the
       call, by the registry's `unsupported_reason`); an explicit one that cannot serve it raises.
     configs: candidate configs, a list (each used by the implementations whose config type it is)
-      or {implementation: list}; default: the heuristic's config and its valid neighbours, at most
-      `max_configs` per implementation.
+      or {implementation: list}, timed in `mode`; default: the heuristic's config and its valid
+      neighbours, at most `max_configs` per implementation and side: the forward's tiles chosen on
+      the forward's time, then (mode "fwd+bwd") the backward's on the forward+backward's.
     mode: "fwd+bwd" (default: the gradient of q, k, v at a random cotangent, forward included) or "fwd".
-    warmup, reps: untimed calls, then timed calls per candidate (median kept).
+    warmup, reps: untimed calls, then timed repetitions (batches of calls) per candidate (median kept).
     cache: the cache file (default `attn_spec.autotune.default_path()`); store=False times only.
     A candidate that fails to compile or run is recorded with its error and skipped; if none runs,
     RuntimeError.

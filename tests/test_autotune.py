@@ -275,6 +275,51 @@ def test_jax_candidates_are_valid_and_distinct():
     assert all(c.block_q % 64 == 0 and c.num_stages >= 2 for c in out)  # MosaicBlockSizes' own checks held
 
 
+def _sides(config):
+    fields = tuning.int_fields(config)
+    return ({n: x for n, x in fields.items() if not tuning.is_backward_field(n)},
+            {n: x for n, x in fields.items() if tuning.is_backward_field(n)})
+
+
+@pytest.mark.parametrize("side", ["forward", "backward"])
+def test_candidates_vary_only_the_named_side(side):
+    default = BlockSizes()
+    vary = (lambda n: not tuning.is_backward_field(n)) if side == "forward" else tuning.is_backward_field
+    out = tuning.candidate_configs(default, lambda c: True, max_configs=8, vary=vary)
+    kept = 1 if side == "forward" else 0  # the side left alone
+    assert len(out) > 2 and all(_sides(c)[kept] == _sides(default)[kept] for c in out)
+    assert {tuple(_sides(c)[1 - kept].items()) for c in out[1:]} != {tuple(_sides(default)[1 - kept].items())}
+
+
+def test_batch_size_fills_a_repetition():
+    assert tuning.batch_size(1.0) == 1 and tuning.batch_size(0.001) == 10
+    assert tuning.batch_size(1e-5) == 1000 and tuning.batch_size(0.0) == 1000
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_search_times_the_forward_tiles_on_the_forward(tmp_path, framework):
+    """mode fwd+bwd: the forward's neighbours are timed forward only, then the backward's, with the
+    fastest forward's fields (and the default config, kept as a candidate) on forward+backward; the
+    stored choice is one of the latter."""
+    if framework == "jax":
+        tune, fn, args = jax_attn.autotune, jax_attn.flash_attention, _jax_qkv()
+    else:
+        tune, fn, args = torch_ref.autotune, torch_ref.flash_attention, _torch_qkv()
+    result = tune(fn, *args, causal=True, implementations=["triton"], reps=1, max_configs=3,
+                  cache=tmp_path / "c.json")
+    fwd = [r for r in result.rows if r["mode"] == "fwd"]
+    both = [r for r in result.rows if r["mode"] == "fwd+bwd"]
+    assert [r["mode"] for r in result.rows] == ["fwd"] * len(fwd) + ["fwd+bwd"] * len(both)
+    default = fwd[0]["config"]
+    assert len(fwd) == 3 and all(_sides(r["config"])[1] == _sides(default)[1] for r in fwd)
+    best = min((r for r in fwd if r["ms"] is not None), key=lambda r: r["ms"])["config"]
+    assert any(r["config"] == default for r in both)
+    assert len(both) > 1 and all(_sides(r["config"])[0] == _sides(best)[0] for r in both if r["config"] != default)
+    assert result.config in [r["config"] for r in both]
+    assert result.ms == min(r["ms"] for r in both if r["ms"] is not None)
+    assert tuning.lookup(result.key, tmp_path / "c.json")["mode"] == "fwd+bwd"
+
+
 def test_jax_benchmark_backends_rows():
     q, k, v = _jax_qkv()
     rows = jax_attn.benchmark_backends(q, k, v, causal=True, reps=1)

@@ -25,7 +25,9 @@ __all__ = ["CacheError", "TuneResult", "autotune", "benchmark_backends", "time_c
 def time_call(f: Callable, args: Sequence[torch.Tensor], *, mode: str = "fwd", warmup: int = 1,
               reps: int = 5) -> float:
     """Median milliseconds of `f(*args)` (mode "fwd", no autograd) or of the forward plus the
-    gradient of the first three arguments at a fixed random cotangent (mode "fwd+bwd")."""
+    gradient of the first three arguments at a fixed random cotangent (mode "fwd+bwd"): `warmup`
+    untimed calls, one more to size the batch, then `reps` repetitions of back-to-back calls (about
+    10 ms of them, `attn_spec.autotune.batch_size`), each closed by a synchronisation."""
     tuning.check_timing(mode, warmup, reps)
     cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
     if mode == "fwd":
@@ -45,18 +47,20 @@ def time_call(f: Callable, args: Sequence[torch.Tensor], *, mode: str = "fwd", w
             o = f(*leaves, *rest)
             o = o[0] if isinstance(o, tuple) else o
             return torch.autograd.grad(o, leaves, ct)
+    def timed(calls: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / calls
+
     for _ in range(max(warmup, 1)):  # at least one: compilation never lands in a timed call
         run()
     if cuda:
         torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    n = tuning.batch_size(timed(1))
+    return statistics.median(timed(n) for _ in range(reps)) * 1e3
 
 
 def autotune(fn: Callable, *args, variant: str | None = None, implementations: Sequence[str] | None = None,
