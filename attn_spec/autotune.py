@@ -345,26 +345,40 @@ def _from_record(registry, variant, implementation, call, record, key, path):
     return entry, config
 
 
-def record_of(rows: Iterable[dict], mode: str, versions: dict[str, str]) -> tuple[dict, dict] | None:
-    """(fastest row, cache entry) of the candidates timed in `mode` (rows: dicts with
-    implementation, config, ms, None where the candidate failed, and mode, default `mode`), or None
-    when none ran. The entry keeps the fastest
-    implementation and every timed implementation's fastest config and time."""
-    per_impl: dict[str, dict] = {}
+TIE = 0.02  # implementations this close on forward+backward are told apart by their forward
+
+
+def _fastest_per_implementation(rows: Iterable[dict], mode: str) -> dict[str, dict]:
+    out: dict[str, dict] = {}
     for r in rows:
-        if r.get("mode", mode) != mode:  # a search step timed in another mode
-            continue
-        if r.get("ms") is not None and (r["implementation"] not in per_impl
-                                        or r["ms"] < per_impl[r["implementation"]]["ms"]):
-            per_impl[r["implementation"]] = r
+        if r.get("mode", mode) == mode and r.get("ms") is not None and (
+                r["implementation"] not in out or r["ms"] < out[r["implementation"]]["ms"]):
+            out[r["implementation"]] = r
+    return out
+
+
+def record_of(rows: Iterable[dict], mode: str, versions: dict[str, str]) -> tuple[dict, dict] | None:
+    """(chosen row, cache entry) of the candidates timed in `mode` (rows: dicts with
+    implementation, config, ms, None where the candidate failed, and mode, default `mode`), or None
+    when none ran. The chosen row is the fastest; in mode fwd+bwd, of the implementations within
+    `TIE` of it whose forward was timed too (the search's "fwd" rows), the one with the fastest
+    forward: an entry serves forward-only calls as well, and a difference that small is within a
+    run's noise. The entry keeps the chosen implementation and every timed implementation's
+    fastest config and time."""
+    rows = list(rows)
+    per_impl = _fastest_per_implementation(rows, mode)
     if not per_impl:
         return None
-    fastest = min(per_impl.values(), key=lambda r: r["ms"])
-    record = {"implementation": fastest["implementation"],
+    chosen = min(per_impl.values(), key=lambda r: r["ms"])
+    forward = _fastest_per_implementation(rows, "fwd") if mode == "fwd+bwd" else {}
+    close = [r for r in per_impl.values() if r["ms"] <= chosen["ms"] * (1 + TIE) and r["implementation"] in forward]
+    if chosen["implementation"] in forward:
+        chosen = min(close, key=lambda r: forward[r["implementation"]]["ms"])
+    record = {"implementation": chosen["implementation"],
               "configs": {n: config_to_json(r["config"]) for n, r in per_impl.items()},
               "ms": {n: r["ms"] for n, r in per_impl.items()}, "mode": mode, **versions,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-    return fastest, record
+    return chosen, record
 
 
 # ------------------------------------------------------------------------------------------------
@@ -383,7 +397,7 @@ def batch_size(one_call_s: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TuneResult:
-    """The autotuner's answer: the cache key, the fastest (implementation, config) and its time,
+    """The autotuner's answer: the cache key, the chosen (implementation, config) and its time,
     every timed candidate (dicts: implementation, config, mode, ms, error; the forward's tiles are
     searched on mode "fwd" rows) and the file written (None when store=False)."""
 

@@ -320,6 +320,21 @@ def test_search_times_the_forward_tiles_on_the_forward(tmp_path, framework):
     assert tuning.lookup(result.key, tmp_path / "c.json")["mode"] == "fwd+bwd"
 
 
+def test_near_ties_go_to_the_faster_forward():
+    a, b = BlockSizes(), DISTINCT
+    row = lambda impl, config, mode, ms: {"implementation": impl, "config": config, "mode": mode, "ms": ms}
+    timed = [row("one", a, "fwd", 0.20), row("two", b, "fwd", 0.18), row("one", a, "fwd+bwd", 1.00)]
+    close = timed + [row("two", b, "fwd+bwd", 1.00 * (1 + tuning.TIE / 2))]
+    far = timed + [row("two", b, "fwd+bwd", 1.00 * (1 + 2 * tuning.TIE))]
+    assert tuning.record_of(close, "fwd+bwd", {})[0]["implementation"] == "two"
+    assert tuning.record_of(far, "fwd+bwd", {})[0]["implementation"] == "one"
+    assert tuning.record_of(close, "fwd", {})[0]["implementation"] == "two"  # the forward's own rows
+    no_forward = [r for r in close if not (r["implementation"] == "one" and r["mode"] == "fwd")]
+    assert tuning.record_of(no_forward, "fwd+bwd", {})[0]["implementation"] == "one"  # the fastest's forward unknown
+    record = tuning.record_of(close, "fwd+bwd", {})[1]
+    assert record["ms"] == {"one": 1.00, "two": 1.00 * (1 + tuning.TIE / 2)} and record["implementation"] == "two"
+
+
 def test_jax_benchmark_backends_rows():
     q, k, v = _jax_qkv()
     rows = jax_attn.benchmark_backends(q, k, v, causal=True, reps=1)
