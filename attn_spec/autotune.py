@@ -197,6 +197,7 @@ def is_backward_field(name: str) -> bool:
 
 
 def int_fields(config) -> dict[str, int]:
+    """A tile config's integer fields (tiles, warps, stages) by name."""
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
             if isinstance(getattr(config, f.name), int) and not isinstance(getattr(config, f.name), bool)}
 
@@ -371,8 +372,9 @@ def record_of(rows: Iterable[dict], mode: str, versions: dict[str, str]) -> tupl
         return None
     chosen = min(per_impl.values(), key=lambda r: r["ms"])
     forward = _fastest_per_implementation(rows, "fwd") if mode == "fwd+bwd" else {}
-    close = [r for r in per_impl.values() if r["ms"] <= chosen["ms"] * (1 + TIE) and r["implementation"] in forward]
-    if chosen["implementation"] in forward:
+    if chosen["implementation"] in forward:  # a near tie goes to the faster forward
+        close = [r for r in per_impl.values()
+                 if r["implementation"] in forward and r["ms"] <= chosen["ms"] * (1 + TIE)]
         chosen = min(close, key=lambda r: forward[r["implementation"]]["ms"])
     record = {"implementation": chosen["implementation"],
               "configs": {n: config_to_json(r["config"]) for n, r in per_impl.items()},
@@ -439,8 +441,8 @@ def _given(registry, entry, call, configs):
 def _searched(registry, entry, call, max_configs, lengths, time_one, mode):
     """The timed rows of the default config's neighbours. The forward's fields are chosen on the
     forward's time; in mode fwd+bwd the backward's fields then on the forward+backward's, with the
-    forward's chosen (the kernels read apart: each side's tiles vary alone, and a faster forward
-    is not lost in the backward's noise); the default config stays a candidate to the end."""
+    forward's chosen. Each side's kernels read only their own fields; searched together, a faster
+    forward was lost in the backward's noise. The default config stays a candidate to the end."""
     def valid(c):
         try:
             registry.check_config(entry, c, call)

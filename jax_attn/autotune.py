@@ -44,6 +44,7 @@ def time_call(f: Callable, args: Sequence, *, mode: str = "fwd", warmup: int = 1
     `grad_argnums` (mode "fwd+bwd", forward included), jitted; compilation is in the warm-up."""
     tuning.check_timing(mode, warmup, reps)
     g = jax.jit(f if mode == "fwd" else jax.grad(_loss_fn(f), argnums=grad_argnums))
+
     def timed(calls: int) -> float:
         t0 = time.perf_counter()
         for _ in range(calls):

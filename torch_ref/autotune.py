@@ -47,6 +47,7 @@ def time_call(f: Callable, args: Sequence[torch.Tensor], *, mode: str = "fwd", w
             o = f(*leaves, *rest)
             o = o[0] if isinstance(o, tuple) else o
             return torch.autograd.grad(o, leaves, ct)
+
     def timed(calls: int) -> float:
         t0 = time.perf_counter()
         for _ in range(calls):
