@@ -34,14 +34,15 @@ def _golden(q, k, v, do, **kw):
         return _run(q, k, v, do, jnp.float64, "xla", **kw)
 
 
-def check_against_golden(shape, dtype=jnp.float32, seed=0, implementation="pallas_triton", **kw):
-    """Golden (float64), naive (xla reference in dtype), kernel: kernel error within the rule."""
+def check_against_golden(shape, dtype=jnp.float32, seed=0, implementation="pallas_triton", config=None, **kw):
+    """Golden (float64), naive (xla reference in dtype), kernel (with its tile `config`, None: the
+    default): kernel error within the rule."""
     rng = np.random.default_rng(seed)
     q, k, v, do = _inputs(rng, *shape)
     golden = _golden(q, k, v, do, **kw)
     with jax.default_matmul_precision("highest"):  # fp32: exact dots on both sides
         naive = _run(q, k, v, do, dtype, "xla", **kw)
-        fast = _run(q, k, v, do, dtype, implementation, **kw)
+        fast = _run(q, k, v, do, dtype, implementation, **kw, **({} if config is None else {"config": config}))
     for name, f, n, g in zip(("out", "lse", "dq", "dk", "dv"), fast, naive, golden):
         factor = FORWARD_FACTOR if name in ("out", "lse") else GRADIENT_FACTOR
         verdict = compare(f, n, g, NP_DTYPE[dtype], factor)

@@ -6,6 +6,7 @@ it through this jax's Mosaic GPU API) and the call is refused with its reason. T
 (sm90) run it against the float64 golden, forward and gradients."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import jax_attn
+from attn_spec import autotune as tuning
 from jax_attn import flash_attention
 from jax_attn.ops.common import visit
 from jax_attn.ops.softmax import mosaic as mosaic_gpu
@@ -33,6 +35,36 @@ def test_kernel_lowers_for_cuda(causal, head_dim, seq, kv_len, group):
     f = jax.jit(lambda q, k, v: mosaic_gpu.flash_forward(q, k, v, spec, kv_len, blocks))
     assert "mosaic_gpu" in f.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     g = jax.jit(lambda *a: mosaic_gpu.flash_backward(*a, spec, kv_len, blocks))
+    assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _shipped_mosaic_configs():
+    """(causal, head dim, GQA group, MosaicBlockSizes) of every Mosaic config the package ships
+    (`attn_spec/autotune_defaults.json`, JAX softmax entries), which config=None calls run."""
+    out = []
+    for key, entry in sorted(json.loads(tuning.SHIPPED.read_text())["entries"].items()):
+        framework, _, variant, shape, _, flags = key.split("|")
+        if framework == "jax" and variant == "softmax" and "mosaic" in entry["configs"]:
+            head_dim, group = (int(part[1:]) for part in shape.split("-")[2:])
+            blocks = tuning.config_from_json(entry["configs"]["mosaic"], mosaic_gpu.MosaicBlockSizes)
+            out.append(pytest.param("causal=1" in flags, head_dim, group, blocks, id=f"{shape}-{flags.split(',')[1]}"))
+    return out
+
+
+SHIPPED_MOSAIC = _shipped_mosaic_configs()
+
+
+@pytest.mark.parametrize("causal, head_dim, group, blocks", SHIPPED_MOSAIC)
+def test_shipped_configs_lower_for_cuda(causal, head_dim, group, blocks):
+    """Forward and backward at 1000 rows, padded to the config's multiples as the engine pads them."""
+    spec = AttentionSpec(scale=head_dim ** -0.5, causal=causal)
+    q_len, kv_len = (-(-1000 // m) * m for m in blocks.tiles)
+    q = jax.ShapeDtypeStruct((1, q_len, 2 * group, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, kv_len, 2, head_dim), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1, 2 * group, q_len), jnp.float32)
+    f = jax.jit(lambda q, k, v: mosaic_gpu.flash_forward(q, k, v, spec, 1000, blocks))
+    assert "mosaic_gpu" in f.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    g = jax.jit(lambda *a: mosaic_gpu.flash_backward(*a, spec, 1000, blocks))
     assert "mosaic_gpu" in g.trace(q, kv, kv, q, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -262,6 +294,14 @@ GPU_CASES = [
 def test_gpu_against_golden(shape, dtype, kw):
     assert jax.default_backend() == "gpu", "gpu tests need a GPU"
     check_against_golden(shape, dtype=dtype, implementation="mosaic_gpu", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, head_dim, group, blocks", SHIPPED_MOSAIC)
+def test_gpu_shipped_configs_against_golden(causal, head_dim, group, blocks):
+    assert jax.default_backend() == "gpu", "gpu tests need a GPU"
+    check_against_golden((1, 1000, 1000, 2 * group, 2, head_dim), jnp.bfloat16, implementation="mosaic_gpu",
+                         config=blocks, causal=causal)
 
 
 @pytest.mark.gpu
