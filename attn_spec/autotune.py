@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 import tempfile
 import warnings
 from pathlib import Path
@@ -395,6 +396,13 @@ def batch_size(one_call_s: float) -> int:
     most 1000), so that a call of a fraction of a millisecond is timed on the device, not in its
     dispatch and synchronisation."""
     return max(1, min(1000, round(BATCH_S / max(one_call_s, 1e-6))))
+
+
+def per_call_ms(timed: Callable[[int], float], reps: int) -> float:
+    """The median milliseconds per call over `reps` batches; `timed(calls)` runs that many calls
+    back to back, waits for them and returns the seconds per call (each framework's own wait)."""
+    calls = batch_size(timed(1))
+    return statistics.median(timed(calls) for _ in range(reps)) * 1e3
 
 
 @dataclasses.dataclass(frozen=True)

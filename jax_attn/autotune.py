@@ -14,7 +14,6 @@ time per call is kept.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -54,8 +53,7 @@ def time_call(f: Callable, args: Sequence, *, mode: str = "fwd", warmup: int = 1
 
     for _ in range(max(warmup, 1)):  # at least one: compilation never lands in a timed call
         jax.block_until_ready(g(*args))
-    n = tuning.batch_size(timed(1))
-    return statistics.median(timed(n) for _ in range(reps)) * 1e3
+    return tuning.per_call_ms(timed, reps)
 
 
 def autotune(fn: Callable, *args, variant: str | None = None, implementations: Sequence[str] | None = None,

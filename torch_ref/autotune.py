@@ -8,7 +8,6 @@ v at a fixed random cotangent.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -60,8 +59,7 @@ def time_call(f: Callable, args: Sequence[torch.Tensor], *, mode: str = "fwd", w
         run()
     if cuda:
         torch.cuda.synchronize()
-    n = tuning.batch_size(timed(1))
-    return statistics.median(timed(n) for _ in range(reps)) * 1e3
+    return tuning.per_call_ms(timed, reps)
 
 
 def autotune(fn: Callable, *args, variant: str | None = None, implementations: Sequence[str] | None = None,
