@@ -10,7 +10,7 @@ Cases (bf16, B=1, D=128, causal, forward and forward+backward; 16, 64 and 128k t
     nsa      16 selected blocks of 64; compression 32/16 or 64/64 (block/stride); window 512 or 0
     dense    the same shapes, dense causal (the anchors)
     ranges   ranges_R1 and ranges_R8 (see the ranges columns; seconds, also in --quick)
---quick: 16k and 64k, 64/4 heads, compression 32/16 with window 512 (and at 64k 64/64 with
+--lengths and --heads narrow the grid (e.g. --lengths 65536 --heads 16/16). --quick: 16k and 64k, 64/4 heads, compression 32/16 with window 512 (and at 64k 64/64 with
 window 0, fla's setting), the dense anchors, the quick columns; meant to stay within two minutes. --smoke: tiny shapes on the CPU.
 
 Columns:
@@ -88,6 +88,10 @@ def cases(opts):
                 NSACase("dense", 1, 256, 4, 64, causal=True, kv_heads=1)] + ranges_cases(opts)
     lengths = (16384, 65536) if opts.quick else (16384, 65536, 131072)
     heads = ((64, 4),) if opts.quick else ((64, 4), (16, 16))
+    if opts.lengths:
+        lengths = tuple(int(x) for x in opts.lengths.split(","))
+    if opts.heads:
+        heads = tuple(tuple(int(y) for y in x.split("/")) for x in opts.heads.split(","))
     settings = ((32, 16, 512), (32, 16, 0), (64, 64, 512), (64, 64, 0))
     out = []
     for s in lengths:
@@ -249,6 +253,8 @@ COLUMNS = [
 
 def main(argv=None) -> int:
     p = harness.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", default=None, help="comma-separated sequence lengths instead of the default ones")
+    p.add_argument("--heads", default=None, help="comma-separated query/kv heads, e.g. 64/4,16/16")
     opts = harness.finish_options(p.parse_args(argv))
     cs = harness.select(cases(opts), opts.cases, key=lambda c: c.tag, what="case")
     columns = harness.select(COLUMNS, opts.columns, key=lambda c: c.name, quick=opts.quick)

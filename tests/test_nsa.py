@@ -344,6 +344,24 @@ def test_top_n_ties_and_forced():
     np.testing.assert_array_equal(np.asarray(reference.top_n(jnp.asarray(ties), 8, 4))[0, 39, 0], [0, 1, 3, 4])
 
 
+@pytest.mark.parametrize("rows, count, n", [(5, 6, 4), (37, 300, 16), (64, 40, 3), (3, 700, 5)])
+def test_top_n_kernel_ranks_as_lax_top_k(rows, count, n):
+    """The top-n kernel on scores with many ties, +inf and -inf (one row all -inf, one row with
+    fewer finite entries than n), over several column tiles: `lax.top_k`'s choice, ascending, -1 last."""
+    rng = np.random.default_rng(rows)
+    x = rng.integers(0, 5, (rows, count)).astype(np.float32)
+    x[rng.random((rows, count)) < 0.2] = -np.inf
+    x[rng.random((rows, count)) < 0.05] = np.inf
+    x[0] = -np.inf
+    x[1, 2:] = -np.inf
+    values, idx = jax.lax.top_k(jnp.asarray(x), n)
+    idx = np.sort(np.where(np.asarray(values) == -np.inf, count, np.asarray(idx)), axis=-1)
+    want = np.where(idx == count, -1, idx)
+    got = np.asarray(importance.top_n_rows(jnp.asarray(x), n, interpret=True))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(4, 1), (6, 2), (2, 2)])
 def test_selection_kernel_path_matches_reference(heads, kv_heads):
     """The importance kernel (groups padded inside), the shifted-slice overlap map and the chunked

@@ -9,7 +9,9 @@ size for any group; it walks the compressed keys up to the last token's frontier
 p = exp2(scale' s - lse2) under the block-causal (and segment) mask, sums the G heads of every
 token and writes the group's probability per compressed key, [B, Hkv, C, Nc] fp32 for a chunk of C
 tokens. XLA then maps compressed keys to selection blocks (`branches.to_selection_blocks`) and
-applies the top-n rule (`reference.top_n`) to the chunk.
+marks the forced and the invisible blocks (`reference.selection_scores`); a second kernel picks each
+row's top n (`_top_n_kernel`, the order of `lax.top_k`, whose XLA GPU kernel took 24 of NSA's 139
+ms forward+backward at 64k tokens and 4 kv heads, docs/design/nsa.md).
 """
 from __future__ import annotations
 
@@ -103,6 +105,68 @@ def group_probabilities(q, k_cmp, lse, positions, *, block: int, stride: int, sc
     )(*args)
 
 
+def _top_n_kernel(score_ref, out_ref, *, num_selected: int, width: int):
+    """The indices of a tile of rows' n largest scores, larger first and ties to the lower index,
+    never -inf (nor NaN), written ascending with -1 in the slots left empty. Pick t takes the best
+    entry that ranks after pick t - 1 in that order, so no entry is marked and the row is only read."""
+    rows, count = score_ref.shape
+    slots = jnp.arange(out_ref.shape[1], dtype=jnp.int32)[None, :]
+    cols = jnp.arange(width, dtype=jnp.int32)[None, :]
+    none = jnp.int32(jnp.iinfo(jnp.int32).max)
+
+    def pick(t, carry):
+        value, index, picks = carry
+
+        def scan(c, best):
+            start = pl.multiple_of(c * width, width)
+            x, j = score_ref[:, pl.ds(start, width)], start + cols
+            after = (x < value[:, None]) | ((x == value[:, None]) & (j > index[:, None]))
+            x = jnp.where(after, x, -jnp.inf)
+            top = jnp.max(x, axis=1)
+            at = jnp.min(jnp.where(x == top[:, None], j, none), axis=1)
+            better = top > best[0]  # a later chunk wins only when strictly larger: ties to the lower index
+            return jnp.where(better, top, best[0]), jnp.where(better, at, best[1])
+
+        value, index = jax.lax.fori_loop(0, count // width, scan, (jnp.full((rows,), -jnp.inf, jnp.float32),
+                                                                   jnp.full((rows,), none, jnp.int32)))
+        picks = jnp.where(slots == t, jnp.where(value > -jnp.inf, index, none)[:, None], picks)
+        return value, index, picks
+
+    start = (jnp.full((rows,), jnp.inf, jnp.float32), jnp.full((rows,), -1, jnp.int32),
+             jnp.full(out_ref.shape, none, jnp.int32))
+    _, _, picks = jax.lax.fori_loop(0, num_selected, pick, start)
+
+    def ascending(t, carry):
+        last, out = carry
+        least = jnp.min(jnp.where(picks > last[:, None], picks, none), axis=1)
+        return least, jnp.where(slots == t, least[:, None], out)
+
+    _, out = jax.lax.fori_loop(0, num_selected, ascending,
+                               (jnp.full((rows,), -1, jnp.int32), jnp.full(out_ref.shape, none, jnp.int32)))
+    out_ref[...] = jnp.where(out == none, -1, out)
+
+
+def top_n_rows(score, num_selected: int, *, interpret: bool):
+    """score [R, Ns] fp32 -> int32 [R, n]: each row's n best column indices as `reference.top_n`
+    ranks them (larger first, ties to the lower index, never -inf), ascending, -1 where fewer than
+    n entries are finite."""
+    total, count = score.shape
+    rows = 16
+    width = min(256, pow2_at_least(count, 16))
+    slots = pow2_at_least(num_selected, 16)
+    score = jnp.pad(score, ((0, -score.shape[0] % rows), (0, -count % width)), constant_values=-jnp.inf)
+    out = pl.pallas_call(
+        functools.partial(_top_n_kernel, num_selected=num_selected, width=width),
+        grid=(score.shape[0] // rows,),
+        in_specs=[pl.BlockSpec((rows, score.shape[1]), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((rows, slots), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((score.shape[0], slots), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="nsa_top_n",
+    )(score)
+    return out[:total, :num_selected]
+
+
 def select_pallas(q, k_cmp, lse, *, block: int, stride: int, select_block: int, num_selected: int, scale: float,
                   precision, q_ids=None, interpret: bool | None = None, max_bytes: int = 1 << 30):
     """The top-n blocks of every (token, kv head), int32 [B, S, Hkv, n] (`reference.top_n` of
@@ -145,7 +209,9 @@ def select_pallas(q, k_cmp, lse, *, block: int, stride: int, select_block: int, 
                                 precision=precision, q_ids=None if ids is None else take(ids, 1), kc_ids=kc_ids,
                                 interpret=interpret)
         imp = branches.to_selection_blocks(p[..., :count], seq_len, block, stride, select_block)
-        return reference.top_n(imp.transpose(0, 2, 1, 3), select_block, num_selected, first=first)
+        score = reference.selection_scores(imp, positions[None, None, :, None], select_block)  # [B, Hkv, C, Ns]
+        picked = top_n_rows(score.reshape(-1, num), num_selected, interpret=interpret)
+        return picked.reshape(batch, kv_heads, chunk, num_selected).transpose(0, 2, 1, 3)
 
     picked = jax.lax.map(one, jnp.arange(chunks, dtype=jnp.int32))  # [chunks, B, C, Hkv, n]
     return picked.transpose(1, 0, 2, 3, 4).reshape(batch, length, kv_heads, num_selected)[:, :seq_len]

@@ -6,6 +6,8 @@ memory: for checking and small shapes). Gradients come from JAX autodiff.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,21 +152,23 @@ def importance_reference(q, k_cmp, lse, *, block: int, stride: int, select_block
     return jnp.einsum("bthi,ij->bthj", p.sum(3), overlap, precision=jax.lax.Precision.HIGHEST)
 
 
+def selection_scores(importance, tokens, select_block: int):
+    """The top-n rule's scores: `importance` [..., Ns] with +inf on the forced blocks and -inf beyond
+    the causal frontier; `tokens` (int32) the query positions, of importance's rank, broadcasting
+    against importance[..., :1]."""
+    j = jnp.arange(importance.shape[-1], dtype=jnp.int32).reshape((1,) * (importance.ndim - 1) + (-1,))
+    forced = functools.reduce(jnp.logical_or, (j == f for f in nsa.forced_blocks(tokens, select_block)))
+    score = jnp.where(forced, jnp.inf, importance)
+    return jnp.where(j <= tokens // select_block, score, -jnp.inf)
+
+
 def top_n(importance, select_block: int, num_selected: int, first=0):
     """The top-n rule of `attn_spec.nsa` on imp [B, C, Hkv, Ns] of query tokens first .. first + C - 1
     -> int32 [B, C, Hkv, n]: blocks beyond the frontier out, the forced ones in, the rest by
     importance (larger first, ties to the lower index: `lax.top_k`'s order), ascending, -1 where no
     block fills a slot."""
-    seq_len, count = importance.shape[1], importance.shape[-1]
-    t = first + jnp.arange(seq_len, dtype=jnp.int32)[:, None]
-    j = jnp.arange(count, dtype=jnp.int32)[None, :]
-    forced = jnp.zeros((seq_len, count), bool)
-    for f in nsa.forced_blocks(t, select_block):
-        forced |= j == f
-    score = jnp.where(forced[None, :, None], jnp.inf, importance)
-    score = jnp.where((j <= t // select_block)[None, :, None], score, -jnp.inf)
-    values, idx = jax.lax.top_k(score, num_selected)
+    tokens = first + jnp.arange(importance.shape[1], dtype=jnp.int32)[None, :, None, None]
+    values, idx = jax.lax.top_k(selection_scores(importance, tokens, select_block), num_selected)
     idx = jnp.where(values == -jnp.inf, jnp.iinfo(jnp.int32).max, idx.astype(jnp.int32))
     idx = jnp.sort(idx, axis=-1)
     return jnp.where(idx == jnp.iinfo(jnp.int32).max, -1, idx)
-
