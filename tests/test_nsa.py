@@ -20,7 +20,7 @@ import jax_attn
 from attn_spec import nsa
 from attn_spec.nsa import CompressParams
 from jax_attn import compress_kv, compression_attention, nsa_attention, select_blocks, selection_attention
-from jax_attn.ops.nsa import importance, plan, reference
+from jax_attn.ops.nsa import branches, importance, plan, reference
 from jax_golden import NP_DTYPE
 from parity.tolerance import FORWARD_FACTOR, GRADIENT_FACTOR, compare
 
@@ -270,6 +270,37 @@ def test_compression_branch(block, stride, mlp, segments):
                                      implementation=impl)
 
     check_rule(fn, [q, k, v, *params], _cotangents(rng, batch, seq_len, heads, head_dim))
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_compression_slots_in_parts(parts):
+    """The folded slots split into batch rows with copies of the compressed keys (`parts`, which
+    the device's SM count sets at scale; 7 slots in 3 parts pads the last with a zero slot): the
+    same branch, the compressed keys' gradients added over the parts."""
+    rng = np.random.default_rng(parts)
+    batch, seq_len, heads, kv_heads, head_dim, block, stride = 2, 43, 4, 2, 16, 16, 8
+    count = nsa.compressed_count(seq_len, block, stride)
+    q = rng.standard_normal((batch, seq_len, heads, head_dim))
+    kc, vc = (rng.standard_normal((batch, count, kv_heads, head_dim)) for _ in range(2))
+
+    def fn(impl, q, kc, vc):
+        if impl == "xla":
+            return compression_attention(q, kc, vc, block=block, stride=stride, return_lse=True, implementation="xla")
+        attention = lambda qs, ks, vs, seg: jax_attn.flash_attention(qs, ks, vs, causal=True, segment_ids=seg,
+                                                                     scale=head_dim ** -0.5, return_lse=True)
+        return branches.compression_engine(q, kc, vc, block=block, stride=stride, scale=head_dim ** -0.5,
+                                           attention=attention, parts=parts)
+
+    check_rule(fn, [q, kc, vc], _cotangents(rng, batch, seq_len, heads, head_dim))
+
+
+def test_slot_parts():
+    """About twice as many dK/dV programs as SMs, never more parts than slots, 1 without an SM count."""
+    assert branches.slot_parts(63, 1, 4, 1024, 132) == 9  # 64k tokens, compression 64/64, 4 kv heads
+    assert branches.slot_parts(15, 1, 4, 4095, 132) == 3  # 64k tokens, compression 32/16
+    assert branches.slot_parts(15, 1, 16, 4095, 132) == 1
+    assert branches.slot_parts(3, 1, 1, 16, 132) == 3
+    assert branches.slot_parts(63, 1, 4, 1024, None) == 1
 
 
 def test_compression_short_sequence():

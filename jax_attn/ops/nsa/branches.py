@@ -7,9 +7,12 @@ row m): the condition is `i <= m - c_o` with `c_o = ceil((block - 1 - o) / strid
 are causal attention over the compressed keys with the queries c rows late: dropping a slot's
 first c rows (they see no block) leaves plain top-left causal attention, row m - c against keys
 <= m - c. The slots join the query heads of each kv head's GQA group (with segment ids, which differ
-per slot, they go to the batch axis, the compressed keys repeated there), two engine calls (`flash_attention`, causal, no offset: the fastest kernels of the device
-serve it) cover every query, and the engine's backward gives the gradients. The engine skips the
-tiles beyond each row's frontier, as for any causal call.
+per slot, they go to the batch axis, the compressed keys repeated there), two engine calls
+(`flash_attention`, causal, no offset: the fastest kernels of the device serve it) cover every
+query, and the engine's backward gives the gradients. The engine skips the tiles beyond each row's
+frontier, as for any causal call. Folding makes few, long dK/dV programs (one per 128 keys of a kv
+head, walking the whole folded group); the slots are split into enough batch rows to fill the GPU
+(`slot_parts`).
 
 Importance for the top-n rule: `importance.py` sums the compression probabilities over each
 group's heads per compressed key; `to_selection_blocks` maps them to selection blocks. Where
@@ -24,13 +27,28 @@ import jax
 import jax.numpy as jnp
 
 from attn_spec import nsa
+from jax_attn.device import device_info
 from jax_attn.ops.common import padding
 from jax_attn.ops.nsa import reference
 
 
-def compression_engine(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, q_ids=None, attention):
+def slot_parts(slots: int, batch: int, kv_heads: int, count: int, sm_count: int | None) -> int:
+    """How many parts the slots folded into the heads are split into (each part a batch row with its
+    own copy of the compressed keys). The engine's dK/dV kernel gives each kv head's 128 keys one
+    program that walks the whole folded group: at 64k tokens, compression 64/64 and 4 kv heads that
+    is 32 programs for 1024 query heads, on a GPU of 132 SMs. Parts make about twice as many
+    programs as SMs (1 where the SM count is unknown)."""
+    if not sm_count:
+        return 1
+    programs = batch * kv_heads * -(-count // 128)
+    return max(1, min(slots, -(-2 * sm_count // programs)))
+
+
+def compression_engine(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float, q_ids=None, attention,
+                       parts: int | None = None):
     """Block-causal attention over the compressed keys through `attention(q, k, v, segment_ids)`
-    -> (out, lse) (the flash engine, causal, top-left) -> (out [B, S, Hq, D], lse [B, Hq, S])."""
+    -> (out, lse) (the flash engine, causal, top-left) -> (out [B, S, Hq, D], lse [B, Hq, S]).
+    parts: into how many batch rows the folded slots go (`slot_parts` of the device by default)."""
     batch, seq_len, num_heads, head_dim = q.shape
     count = k_cmp.shape[1]
     if count == 0:  # no complete block: every row sees nothing
@@ -54,29 +72,51 @@ def compression_engine(q, k_cmp, v_cmp, *, block: int, stride: int, scale: float
             outs.append(jnp.zeros((n, batch, rows, num_heads, head_dim), q.dtype))
             lses.append(jnp.full((n, batch, num_heads, rows), -jnp.inf, jnp.float32))
             continue
-        if q_ids is None:  # the slots join the GQA groups: head h * n + s reads kv head h // G, and the
-            # engine's dK/dV kernel sums a group in fp32, so the compressed keys are neither copied nor
-            # their gradient rounded once per slot
-            qg = qs[lo:hi, :, offset:].transpose(1, 2, 3, 0, 4).reshape(batch, late, num_heads * n, head_dim)
-            out, lse = attention(qg, k_cmp, v_cmp, None)
-            out = out.reshape(batch, late, num_heads, n, head_dim).transpose(3, 0, 1, 2, 4)
-            lse = lse.reshape(batch, num_heads, n, late).transpose(2, 0, 1, 3)
-        else:  # ids differ per slot: the slots go to the batch axis, with copies of the compressed keys made
-            # through fp32 (their gradients add up in fp32)
+        if q_ids is None:
+            out, lse = _folded_slots(qs[lo:hi, :, offset:], k_cmp, v_cmp, attention, parts)
+        else:  # ids differ per slot: the slots go to the batch axis, with copies of the compressed keys
             qg = qs[lo:hi, :, offset:].reshape(n * batch, late, num_heads, head_dim)
-            kg, vg = (jnp.broadcast_to(x[None].astype(jnp.float32), (n, *x.shape)).reshape(n * batch, *x.shape[1:])
-                      .astype(x.dtype) for x in (k_cmp, v_cmp))
+            kg, vg = (_copies(x, n) for x in (k_cmp, v_cmp))
             seg = (ids[lo:hi, :, offset:].reshape(n * batch, late),
                    jnp.broadcast_to(kc_ids[None], (n, *kc_ids.shape)).reshape(n * batch, count))
             out, lse = attention(qg, kg, vg, seg)
-        out = jnp.pad(out.reshape(n, batch, late, num_heads, head_dim), ((0, 0), (0, 0), (offset, 0), (0, 0), (0, 0)))
-        lse = jnp.pad(lse.reshape(n, batch, num_heads, late), ((0, 0), (0, 0), (0, 0), (offset, 0)),
-                      constant_values=-jnp.inf)
+            out, lse = out.reshape(n, batch, late, num_heads, head_dim), lse.reshape(n, batch, num_heads, late)
+        out = jnp.pad(out, ((0, 0), (0, 0), (offset, 0), (0, 0), (0, 0)))
+        lse = jnp.pad(lse, ((0, 0), (0, 0), (0, 0), (offset, 0)), constant_values=-jnp.inf)
         outs.append(out)
         lses.append(lse)
     out = jnp.concatenate(outs, axis=0).transpose(1, 2, 0, 3, 4).reshape(batch, rows * stride, num_heads, head_dim)
     lse = jnp.concatenate(lses, axis=0).transpose(1, 2, 3, 0).reshape(batch, num_heads, rows * stride)
     return out[:, :seq_len], lse[:, :, :seq_len]
+
+
+def _copies(x, n: int):
+    """n copies of x along the batch axis, made through fp32 so that their gradients add up in fp32."""
+    return jnp.broadcast_to(x[None].astype(jnp.float32), (n, *x.shape)).reshape(n * x.shape[0], *x.shape[1:]) \
+        .astype(x.dtype)
+
+
+def _folded_slots(qs, k_cmp, v_cmp, attention, parts):
+    """Slots qs [n, B, M, Hq, D] sharing one key offset -> (out [n, B, M, Hq, D], lse [n, B, Hq, M]).
+    The slots join the query heads of each kv head's GQA group (head h * n + s reads kv head h // G),
+    so the engine's dK/dV kernel sums a group in fp32, the compressed keys neither copied nor their
+    gradient rounded once per slot; with `parts` > 1 the slots are split into that many batch rows
+    (zero slots pad the last), whose dK/dV are rounded once each and added in fp32."""
+    n, batch, late, num_heads, head_dim = qs.shape
+    if parts is None:
+        parts = slot_parts(n, batch, k_cmp.shape[2], k_cmp.shape[1], device_info().sm_count)
+    parts = max(1, min(parts, n))
+    per = -(-n // parts)
+    qs = padding.pad_axis(qs, 0, parts * per).reshape(parts, per, batch, late, num_heads, head_dim)
+    qg = qs.transpose(0, 2, 3, 4, 1, 5).reshape(parts * batch, late, num_heads * per, head_dim)
+    if parts == 1:
+        out, lse = attention(qg, k_cmp, v_cmp, None)
+    else:
+        out, lse = attention(qg, _copies(k_cmp, parts), _copies(v_cmp, parts), None)
+    out = out.reshape(parts, batch, late, num_heads, per, head_dim).transpose(0, 4, 1, 2, 3, 5)
+    lse = lse.reshape(parts, batch, num_heads, per, late).transpose(0, 3, 1, 2, 4)
+    return (out.reshape(parts * per, batch, late, num_heads, head_dim)[:n],
+            lse.reshape(parts * per, batch, num_heads, late)[:n])
 
 
 def to_selection_blocks(p, seq_len: int, block: int, stride: int, select_block: int):
