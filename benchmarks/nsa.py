@@ -10,8 +10,9 @@ Cases (bf16, B=1, D=128, causal, forward and forward+backward; 16, 64 and 128k t
     nsa      16 selected blocks of 64; compression 32/16 or 64/64 (block/stride); window 512 or 0
     dense    the same shapes, dense causal (the anchors)
     ranges   ranges_R1 and ranges_R8 (see the ranges columns; seconds, also in --quick)
---lengths and --heads narrow the grid (e.g. --lengths 65536 --heads 16/16). --quick: 16k and 64k, 64/4 heads, compression 32/16 with window 512 (and at 64k 64/64 with
-window 0, fla's setting), the dense anchors, the quick columns; meant to stay within two minutes. --smoke: tiny shapes on the CPU.
+--lengths and --heads narrow the grid (e.g. --lengths 65536 --heads 16/16). --quick: 16k and 64k,
+64/4 heads, compression 32/16 with window 512 (and at 64k 64/64 with window 0, fla's setting), the
+dense anchors, the quick columns; meant to stay within two minutes. --smoke: tiny shapes on the CPU.
 
 Columns:
     nsa          jax_attn.nsa_attention (the default implementation: the selection and importance
