@@ -34,10 +34,10 @@ from jax_attn.ops.nsa import reference
 
 def slot_parts(slots: int, batch: int, kv_heads: int, count: int, sm_count: int | None) -> int:
     """How many parts the slots folded into the heads are split into (each part a batch row with its
-    own copy of the compressed keys). The engine's dK/dV kernel gives each kv head's 128 keys one
-    program that walks the whole folded group: at 64k tokens, compression 64/64 and 4 kv heads that
-    is 32 programs for 1024 query heads, on a GPU of 132 SMs. Parts make about twice as many
-    programs as SMs (1 where the SM count is unknown)."""
+    own copy of the compressed keys). The engine's dK/dV kernel gives each 128 keys of a kv head one
+    program (the Mosaic kernels' two 64-key warpgroups) that walks the whole folded group: at 64k
+    tokens, compression 64/64 and 4 kv heads, 32 programs each walking 63 x 16 query heads, on a GPU
+    of 132 SMs. Parts make about twice as many programs as SMs (1 where the SM count is unknown)."""
     if not sm_count:
         return 1
     programs = batch * kv_heads * -(-count // 128)

@@ -10,8 +10,8 @@ p = exp2(scale' s - lse2) under the block-causal (and segment) mask, sums the G 
 token and writes the group's probability per compressed key, [B, Hkv, C, Nc] fp32 for a chunk of C
 tokens. XLA then maps compressed keys to selection blocks (`branches.to_selection_blocks`) and
 marks the forced and the invisible blocks (`reference.selection_scores`); a second kernel picks each
-row's top n (`_top_n_kernel`, the order of `lax.top_k`, whose XLA GPU kernel took 24 of NSA's 139
-ms forward+backward at 64k tokens and 4 kv heads, docs/design/nsa.md).
+row's top n (`_top_n_kernel`, in `lax.top_k`'s order; XLA's GPU `top_k` was a fifth of NSA's
+forward+backward at 64k tokens: docs/design/nsa.md).
 """
 from __future__ import annotations
 
