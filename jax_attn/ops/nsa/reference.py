@@ -162,12 +162,11 @@ def selection_scores(importance, tokens, select_block: int):
     return jnp.where(j <= tokens // select_block, score, -jnp.inf)
 
 
-def top_n(importance, select_block: int, num_selected: int, first=0):
-    """The top-n rule of `attn_spec.nsa` on imp [B, C, Hkv, Ns] of query tokens first .. first + C - 1
-    -> int32 [B, C, Hkv, n]: blocks beyond the frontier out, the forced ones in, the rest by
-    importance (larger first, ties to the lower index: `lax.top_k`'s order), ascending, -1 where no
-    block fills a slot."""
-    tokens = first + jnp.arange(importance.shape[1], dtype=jnp.int32)[None, :, None, None]
+def top_n(importance, select_block: int, num_selected: int):
+    """The top-n rule of `attn_spec.nsa` on imp [B, S, Hkv, Ns] -> int32 [B, S, Hkv, n]: blocks
+    beyond the frontier out, the forced ones in, the rest by importance (larger first, ties to the
+    lower index: `lax.top_k`'s order), ascending, -1 where no block fills a slot."""
+    tokens = jnp.arange(importance.shape[1], dtype=jnp.int32)[None, :, None, None]
     values, idx = jax.lax.top_k(selection_scores(importance, tokens, select_block), num_selected)
     idx = jnp.where(values == -jnp.inf, jnp.iinfo(jnp.int32).max, idx.astype(jnp.int32))
     idx = jnp.sort(idx, axis=-1)
