@@ -19,10 +19,10 @@ Columns:
                  kernels, the flash engine for the compression and window branches); gates 0.5
     selection    jax_attn.selection_attention alone on a fixed NSA-like selection (block 0, the
                  two local blocks, 13 random blocks within the frontier)
-    selection_gather  the same with NSABlockSizes(tokens_dkdv=4): dK/dV gathers four tokens' group
-                 rows (at least 16 rows) into one tile per step
-    selection_t1 the same with one token per forward / dQ program (the paper's kernel; the
-                 default takes about 64 rows of tokens x heads and walks the union of their blocks)
+    selection_step1  the same with NSABlockSizes(tokens_dkdv=1): dK/dV steps one token's group rows
+                 at a time (the default gathers about 64 rows of several tokens into one tile)
+    selection_wide the same with forward / dQ tiles of about 64 rows (tokens x heads) walking
+                 the union of their tokens' blocks (the default: 16 rows, one token at 16 heads)
     fla          fla-org's parallel_nsa (torch), where it imports and takes the case (it needs
                  16+ query heads per kv head; compression 64/64 is its own)
     cudnn        jax.nn.dot_product_attention(implementation="cudnn"), full causal (dense rows)
@@ -184,20 +184,21 @@ def selection_column(config=None):
         import jax_attn
         p = case.params
         idx = jax.device_put(nsa_like_indices(case.B, case.S, case.Hkv, p["select_block"], p["num_selected"]))
-        cfg = None if config is None or opts.smoke else config()
+        cfg = None if config is None or opts.smoke else config(case)
         return harness.WithArgs(lambda q, k, v, idx: jax_attn.selection_attention(
             q, k, v, idx, block_size=p["select_block"], config=cfg), (idx,))
     return build
 
 
-def _gathered():
+def _one_token_steps(case):
     import jax_attn
-    return jax_attn.NSABlockSizes(tokens_dkdv=4)
+    return jax_attn.NSABlockSizes(tokens_dkdv=1)
 
 
-def _one_token():
+def _wide_tiles(case):
     import jax_attn
-    return jax_attn.NSABlockSizes(tokens=1, tokens_dq=1)
+    tokens = max(1, min(16, 64 // (case.H // case.Hkv)))
+    return jax_attn.NSABlockSizes(tokens=tokens, tokens_dq=tokens)
 
 
 def cudnn_column(case, opts):
@@ -241,8 +242,8 @@ def fla_column(case, opts):
 COLUMNS = [
     Column("nsa", nsa_column, compare=False),
     Column("selection", selection_column(), compare=False),
-    Column("selection_gather", selection_column(_gathered), compare=False, quick=False),
-    Column("selection_t1", selection_column(_one_token), compare=False, quick=False),
+    Column("selection_step1", selection_column(_one_token_steps), compare=False, quick=False),
+    Column("selection_wide", selection_column(_wide_tiles), compare=False, quick=False),
     Column("fla", fla_column, framework="torch", compare=False),
     Column("cudnn", cudnn_column, compare=False),
     Column("flash", flash_column, compare=False),

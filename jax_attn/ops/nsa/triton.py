@@ -51,6 +51,8 @@ warnings.filterwarnings(
 
 
 MAX_TOKENS = 16  # tokens of a forward / dQ tile: one bit each in the union's int32 masks
+SCAN_ROWS = 64  # rows of a ranges tile scanning its tokens' key tiles (GPU)
+DKDV_ROWS = 64  # rows of a block-list dK/dV step gathering its tokens' group rows (GPU default)
 RANGES_DKDV_PROGRAMS = 256  # the ranges dK/dV splits its token walk until about this many programs
 
 
@@ -60,17 +62,19 @@ class NSABlockSizes:
 
     tokens / tokens_dq: query tokens per forward / dQ program, at most 16: the tile's rows are
     these tokens x the group's heads and the program walks the union of their blocks once, so
-    neighbours that share blocks share their loads (None: the group decides, about 64 rows on a
-    GPU). Ranges: T > 1 tokens scan the key tiles from their lowest start to their highest end,
-    skipping those no range meets; one token walks only its own ranges (None: the group decides
-    up to `RANGES_SCAN_KEYS` tokens, one token beyond). block_k_ranges: the key tile of the ranges
-    form (the block lists walk blocks of `block_size`). The backward kernels launch with
-    num_warps_bwd, num_stages_bwd. dK/dV of the block lists: a program takes at most chunk_dkdv
-    of a block's tokens (a block every token selects, block 0, becomes many programs: no program
-    walks the whole sequence), tokens_dkdv of them per step (> 1: their group rows gathered into
-    one tile, tokens_dkdv * G rows; 1: one token's rows per step, repeated to 16 rows when the
-    group is smaller). dK/dV of ranges: steps of tokens_dkdv consecutive tokens (1: the group
-    decides), at least 16 rows. Powers of two."""
+    neighbours that share blocks share their loads (None: the group decides, tiles of 16 rows:
+    tokens whose blocks differ make a wider union cost more than a fuller dot gains). Ranges:
+    T > 1 tokens scan the key tiles from their lowest start to their highest end, skipping those
+    no range meets; one token walks only its own ranges (None: the group decides, about 64 rows
+    on a GPU, up to `RANGES_SCAN_KEYS` tokens, one token beyond). block_k_ranges: the key tile
+    of the ranges form (the block lists walk blocks of `block_size`). The backward kernels launch
+    with num_warps_bwd, num_stages_bwd. dK/dV of the block lists: a program takes at most
+    chunk_dkdv of a block's tokens (a block every token selects, block 0, becomes many programs:
+    no program walks the whole sequence), tokens_dkdv of them per step (> 1: their group rows
+    gathered into one tile, tokens_dkdv * G >= 16 rows; 1: one token's rows per step, repeated to
+    16 rows when the group is smaller; None: the group decides, about 64 rows). dK/dV of ranges:
+    steps of tokens_dkdv consecutive tokens (1 or None: the group decides), at least 16 rows.
+    Powers of two."""
 
     tokens: int | None = None
     tokens_dq: int | None = None
@@ -79,7 +83,7 @@ class NSABlockSizes:
     num_stages: int = 2
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
-    tokens_dkdv: int = 1
+    tokens_dkdv: int | None = None
     chunk_dkdv: int = 512
 
     def __post_init__(self):
@@ -87,7 +91,7 @@ class NSABlockSizes:
         for name, most in (("tokens", MAX_TOKENS), ("tokens_dq", MAX_TOKENS), ("tokens_dkdv", None),
                            ("chunk_dkdv", None)):
             value = getattr(self, name)
-            if value is None and name in ("tokens", "tokens_dq"):  # chosen by the group size
+            if value is None and name != "chunk_dkdv":  # chosen by the group size
                 continue
             if value < 1 or value & (value - 1) or (most is not None and value > most):
                 limit = f" and <= {most}" if most is not None else ""
@@ -96,18 +100,20 @@ class NSABlockSizes:
 
 def default_block_sizes(head_dim: int, interpret: bool, dtype=jnp.bfloat16) -> NSABlockSizes:
     """Interpret mode: small tiles (short CPU runs). GPU: tokens per program by the group
-    (`tokens_for_group`); 4 warps for tiles of 16 to 64 rows; dK/dV in items of 512 tokens."""
+    (`tokens_for_group`); 4 warps for tiles of 16 to 64 rows; dK/dV in items of 512 tokens, bf16
+    and fp16 up to head dim 128 gathering about 64 rows per step (fp32 and wider heads one token's
+    rows: a gathered tile of 64 fp32 rows was never measured)."""
     if interpret:
         return NSABlockSizes(None, None, 16, 4, 1, 4, 1, 1, 8)
     if jnp.dtype(dtype) == jnp.float32 or head_dim > 128:
         return NSABlockSizes(None, None, 64, 4, 1, 4, 1, 1, 512)
-    return NSABlockSizes(None, None, 64, 4, 2, 4, 2, 1, 512)
+    return NSABlockSizes(None, None, 64, 4, 2, 4, 2, None, 512)
 
 
-def tokens_for_group(group: int, interpret: bool) -> int:
-    """Tokens per forward / dQ program when the config leaves it open: tiles of about 64 rows on a
-    GPU (16 in the interpreter), at most MAX_TOKENS tokens."""
-    return max(1, min(MAX_TOKENS, (MIN_BLOCK if interpret else 64) // group))
+def tokens_for_group(group: int, rows: int, most: int | None = MAX_TOKENS) -> int:
+    """Tokens of a tile of about `rows` rows (tokens x the padded group) when the config leaves
+    them open: at least one, at most `most`."""
+    return max(1, min(most or rows, rows // group))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -683,15 +689,18 @@ def selection_pallas(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=No
     config = config or default_block_sizes(head_pad, interpret, q.dtype)
     # ranges (and lists of blocks under 16 keys, walked as their ranges)
     use_ranges = ranges is not None or block_size < MIN_BLOCK
-    auto = tokens_for_group(group_pad, interpret)
-    # T tokens of ranges scan the key tiles between their lowest start and highest end: on long
-    # sequences that scan costs more than one token walking only its own ranges
+    # forward / dQ tiles of block lists: 16 rows. Ranges: T tokens scan the key tiles between their
+    # lowest start and highest end (about 64 rows on a GPU); on long sequences that scan costs more
+    # than one token walking only its own ranges
+    auto = tokens_for_group(group_pad, SCAN_ROWS if use_ranges and not interpret else MIN_BLOCK)
     auto_walk = 1 if use_ranges and seq_len > nsa_spec.RANGES_SCAN_KEYS else auto
     config = dataclasses.replace(config, tokens=config.tokens or auto_walk, tokens_dq=config.tokens_dq or auto_walk)
+    if use_ranges and (config.tokens_dkdv or 1) == 1:  # the ranges dK/dV steps over several tokens' rows
+        config = dataclasses.replace(config, tokens_dkdv=auto)
+    elif config.tokens_dkdv is None:
+        config = dataclasses.replace(config, tokens_dkdv=tokens_for_group(group_pad, DKDV_ROWS, most=None))
     if config.tokens_dkdv > 1:  # gathered rows fill at least the smallest dot
         config = dataclasses.replace(config, tokens_dkdv=max(config.tokens_dkdv, MIN_BLOCK // group_pad))
-    elif use_ranges:  # the ranges dK/dV steps over several tokens' rows at a time
-        config = dataclasses.replace(config, tokens_dkdv=max(auto, MIN_BLOCK // group_pad))
     if ranges is None and block_size < MIN_BLOCK:
         # a dot needs 16 keys: lists of smaller blocks are walked as their ranges (disjoint: the
         # blocks are canonical), in tiles of block_k_ranges
