@@ -13,13 +13,14 @@ def pow2_at_least(n: int, minimum: int = MIN_BLOCK) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def check_launch_fields(blocks) -> None:
+def check_launch_fields(blocks, choices: tuple[str, ...] = ()) -> None:
     """The checks every Triton tile config shares: ints; tiles (block_*) powers of two >=
-    MIN_BLOCK; num_warps* powers of two; num_stages* >= 1 (None where a field defaults to another)."""
+    MIN_BLOCK; num_warps* powers of two; num_stages* >= 1 (None where a field defaults to another).
+    `choices`: fields that name a choice (the config checks them itself)."""
     name = type(blocks).__name__
     for f in dataclasses.fields(blocks):
         value = getattr(blocks, f.name)
-        if value is None and f.default is None:
+        if (value is None and f.default is None) or f.name in choices:
             continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name}.{f.name}={value!r} must be an int")

@@ -104,18 +104,38 @@ def test_selection_lists(batch, seq_len, heads, kv_heads, head_dim, block_size, 
     check_rule(fn, arrays, _cotangents(rng, batch, seq_len, heads, head_dim))
 
 
-@pytest.mark.parametrize("config", [jax_attn.NSABlockSizes(2, 2, 16, 4, 1, 4, 1, 1, 4),
-                                    jax_attn.NSABlockSizes(1, 1, 16, 4, 1, 4, 1, 4, 8)], ids=["chunks4", "gather4"])
+@pytest.mark.parametrize("config", [jax_attn.NSABlockSizes(2, 2, 16, 4, 1, 4, 1, 1, 4, "tokens"),
+                                    jax_attn.NSABlockSizes(1, 1, 16, 4, 1, 4, 1, 4, 8, "tokens"),
+                                    jax_attn.NSABlockSizes(1, 1, 16, 4, 1, 4, 1, 8, 4, "blocks")],
+                         ids=["chunks4", "gather4", "blocks_chunks4"])
 def test_selection_dkdv_work_items(config):
     """dK/dV with block 0 selected by every token, cut into chunks of 4 or 8 tokens (many items per
     block, summed per block), one token or four gathered tokens a step; two or one tokens per
-    forward program; segment ids."""
+    forward program, or the forward and dQ visiting by blocks on the same items (steps of 8 tokens
+    crossing the chunks' ends: their stores masked); segment ids."""
     rng = np.random.default_rng(11)
     batch, seq_len, heads, kv_heads, head_dim, bs, n = 2, 53, 4, 2, 16, 16, 3
     arrays = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
     idx = _messy_indices(rng, batch, seq_len, kv_heads, n, bs)
     idx[..., 1] = 0
     ids = jnp.asarray(np.sort(rng.integers(0, 2, (batch, seq_len)), axis=1), jnp.int32)
+    fn = lambda impl, q, k, v: selection_attention(q, k, v, jnp.asarray(idx), block_size=bs, segment_ids=ids,
+                                                   return_lse=True, implementation=impl,
+                                                   config=config if impl == "triton" else None)
+    check_rule(fn, arrays, _cotangents(rng, batch, seq_len, heads, head_dim))
+
+
+@pytest.mark.parametrize("heads, kv_heads, visit", [(2, 2, "tokens"), (16, 1, "blocks")])
+def test_selection_visits(heads, kv_heads, visit):
+    """Each visit where the group would choose the other: by tokens at ratio 1 (16-row tiles of 16
+    tokens' block union), by blocks at 16 heads a kv head (each pair's partial output, lse and dQ,
+    combined per token); segment ids, rows that see nothing."""
+    rng = np.random.default_rng(heads)
+    batch, seq_len, head_dim, bs, n = 2, 45, 16, 16, 3
+    arrays = _qkv(rng, batch, seq_len, heads, kv_heads, head_dim)
+    idx = _messy_indices(rng, batch, seq_len, kv_heads, n, bs)
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq_len)), axis=1), jnp.int32)
+    config = jax_attn.NSABlockSizes(visit=visit, chunk_dkdv=8)
     fn = lambda impl, q, k, v: selection_attention(q, k, v, jnp.asarray(idx), block_size=bs, segment_ids=ids,
                                                    return_lse=True, implementation=impl,
                                                    config=config if impl == "triton" else None)
@@ -218,10 +238,10 @@ def test_deterministic():
 
 
 def test_transpose_plan():
-    """Block j's tokens are those that selected it, ascending."""
+    """Block j's tokens are those that selected it, ascending; `places` finds every pair there."""
     rng = np.random.default_rng(6)
     blocks, _ = plan.canonical_blocks(jnp.asarray(rng.integers(-1, 5, (2, 30, 3, 4)), jnp.int32), None, 8, 30, True)
-    tokens, offsets = plan.transpose_plan(blocks, 4)
+    tokens, offsets, places = plan.transpose_plan(blocks, 4)
     b = np.asarray(blocks)
     for batch in range(2):
         for h in range(3):
@@ -229,6 +249,10 @@ def test_transpose_plan():
                 got = np.asarray(tokens)[batch, h, offsets[batch, h, j]:offsets[batch, h, j + 1]]
                 want = np.nonzero((b[batch, :, h] == j).any(-1))[0]
                 np.testing.assert_array_equal(got, want)
+            for t, i in zip(*np.nonzero(b[batch, :, h] >= 0)):
+                place = int(places[batch, h, t * 4 + i])
+                assert offsets[batch, h, b[batch, t, h, i]] <= place < offsets[batch, h, b[batch, t, h, i] + 1]
+                assert tokens[batch, h, place] == t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,13 +572,16 @@ def test_registry_rule():
 # GPU: compiled kernels at realistic shapes
 # ---------------------------------------------------------------------------------------------
 
-GPU_CONFIGS = [None, jax_attn.NSABlockSizes(tokens=1, tokens_dq=1), jax_attn.NSABlockSizes(tokens_dkdv=4)]
+GPU_CONFIGS = [None, jax_attn.NSABlockSizes(tokens=1, tokens_dq=1), jax_attn.NSABlockSizes(tokens_dkdv=4),
+               jax_attn.NSABlockSizes(visit="blocks"), jax_attn.NSABlockSizes(visit="tokens")]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_len, heads, kv_heads, config", [
     (4096, 16, 1, None), (4096, 16, 1, GPU_CONFIGS[1]), (4096, 16, 1, GPU_CONFIGS[2]), (4096, 8, 8, GPU_CONFIGS[2]),
-    (8192, 16, 16, None), (16384, 64, 4, None)], ids=["r16", "r16_t1", "r16_gather", "r1_gather", "r1_8k", "r16_16k"])
+    (4096, 16, 1, GPU_CONFIGS[3]), (4096, 8, 8, GPU_CONFIGS[4]), (4096, 16, 4, None),
+    (8192, 16, 16, None), (16384, 64, 4, None)],
+    ids=["r16", "r16_t1", "r16_gather", "r1_gather", "r16_blocks", "r1_tokens", "r4", "r1_8k", "r16_16k"])
 def test_gpu_selection_bf16(seq_len, heads, kv_heads, config):
     """The selection kernels against the plain reference in bf16 (forward and gradients) and the
     fp32 reference as the golden, with the canonical NSA selection (16 blocks of 64)."""

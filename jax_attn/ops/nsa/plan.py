@@ -8,7 +8,8 @@ kernels): canonical block lists, disjoint ranges, and the transpose of the block
   ranges before them (and, causal, to the row's own position), so their union is their sum.
 - `transpose_plan`: for every (batch, kv head, key block) the query tokens that selected it, in
   ascending order (a stable sort of (block, token) pairs): the dK/dV kernel walks that list, so
-  dK/dV need no atomics and are deterministic.
+  dK/dV need no atomics and are deterministic; the block-visiting forward and dQ write one partial
+  per pair in that order and find a token's pairs through `places`.
 """
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def disjoint_ranges(ranges, seq_len: int, causal: bool):
 def transpose_plan(blocks, num_blocks: int):
     """blocks int32 [B, S, Hkv, n] (canonical: -1 ignored) -> (tokens int32 [B, Hkv, S * n]: the
     tokens of every key block one after the other, ascending within a block, then padding;
-    offsets int32 [B, Hkv, num_blocks + 1]: block j's tokens are tokens[offsets[j]:offsets[j+1]])."""
+    offsets int32 [B, Hkv, num_blocks + 1]: block j's tokens are tokens[offsets[j]:offsets[j+1]];
+    places int32 [B, Hkv, S * n]: where the pair (token t, slot i) of `blocks` stands in that
+    order, at t * n + i)."""
     batch, seq_len, heads, n = blocks.shape
     key = jnp.where(blocks >= 0, blocks, num_blocks).transpose(0, 2, 1, 3).reshape(batch, heads, seq_len * n)
     order = jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)  # stable: tokens ascending per block
@@ -68,7 +71,10 @@ def transpose_plan(blocks, num_blocks: int):
     sorted_key = jnp.take_along_axis(key, order, -1)
     bounds = jnp.arange(num_blocks + 1, dtype=jnp.int32)
     search = jax.vmap(jax.vmap(lambda s: jnp.searchsorted(s, bounds, side="left")))
-    return tokens, search(sorted_key).astype(jnp.int32)
+    ranks = jnp.broadcast_to(jnp.arange(seq_len * n, dtype=jnp.int32), order.shape)
+    places = jnp.zeros_like(order).at[
+        jnp.arange(batch)[:, None, None], jnp.arange(heads)[None, :, None], order].set(ranks)
+    return tokens, search(sorted_key).astype(jnp.int32), places
 
 
 def tile_union(blocks, tokens: int):

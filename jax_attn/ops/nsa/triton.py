@@ -53,7 +53,8 @@ warnings.filterwarnings(
 MAX_TOKENS = 16  # tokens of a forward / dQ tile: one bit each in the union's int32 masks
 SCAN_ROWS = 64  # rows of a ranges tile scanning its tokens' key tiles (GPU)
 DKDV_ROWS = 64  # rows of a block-list dK/dV step gathering its tokens' group rows (GPU default)
-RANGES_DKDV_PROGRAMS = 256  # the ranges dK/dV splits its token walk until about this many programs
+RANGES_DKDV_PROGRAMS = 256
+BLOCKS_VISIT_GROUP = 4  # groups up to this many query heads visit the pairs by blocks by default  # the ranges dK/dV splits its token walk until about this many programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,13 @@ class NSABlockSizes:
     gathered into one tile, tokens_dkdv * G >= 16 rows; 1: one token's rows per step, repeated to
     16 rows when the group is smaller; None: the group decides, about 64 rows). dK/dV of ranges:
     steps of tokens_dkdv consecutive tokens (1 or None: the group decides), at least 16 rows.
-    Powers of two."""
+    Powers of two. visit: how the forward and dQ of block lists meet the (token, block) pairs:
+    "tokens" (a program per tile of tokens walks their blocks, the softmax online in registers)
+    or "blocks" (the dK/dV plan: a program per work item walks the tokens that chose its block,
+    tokens_dkdv x G >= 16 rows a dot; the forward writes each pair's normalised output and lse in
+    fp32, combined per token after, and the dK/dV kernel writes each pair's dQ, summed per token:
+    no tile is padded at a small group, for n partials a row in memory); None: the group decides
+    ("blocks" up to `BLOCKS_VISIT_GROUP` query heads a kv head)."""
 
     tokens: int | None = None
     tokens_dq: int | None = None
@@ -85,9 +92,12 @@ class NSABlockSizes:
     num_stages_bwd: int = 2
     tokens_dkdv: int | None = None
     chunk_dkdv: int = 512
+    visit: str | None = None
 
     def __post_init__(self):
-        check_launch_fields(self)
+        check_launch_fields(self, choices=("visit",))
+        if self.visit not in (None, "tokens", "blocks"):
+            raise ValueError(f'NSABlockSizes.visit={self.visit!r} must be None, "tokens" or "blocks"')
         for name, most in (("tokens", MAX_TOKENS), ("tokens_dq", MAX_TOKENS), ("tokens_dkdv", None),
                            ("chunk_dkdv", None)):
             value = getattr(self, name)
@@ -136,6 +146,11 @@ class _Static:
     def rows(self) -> int:
         """Rows of a tile: the padded group, at least the smallest dot."""
         return max(MIN_BLOCK, self.group)
+
+    @property
+    def by_blocks(self) -> bool:
+        """Do the forward and dQ visit the pairs by key blocks (`NSABlockSizes.visit`)?"""
+        return not self.ranges and self.blocks.visit == "blocks"
 
 
 def _dot(a, b, st, *, trans_b=False):
@@ -366,6 +381,124 @@ def _fwd_call(st: _Static, q, k, v, sel, seg):
     )(q, k, v, *sel_args, *seg_args)
 
 
+def _places(first, size: int):
+    """pl.ds(first, size) in the default int (the interpreter's masked store indexes the other axes
+    with it, and needs one integer type under x64)."""
+    return pl.ds(first.astype(jax.dtypes.canonicalize_dtype(jnp.int64)), size)
+
+
+def _fwd_blocks_kernel(item_block_ref, item_lo_ref, item_hi_ref, tokens_ref, q_ref, k_ref, v_ref, *refs,
+                       st: _Static):
+    """Visiting by blocks: one program per (work item, batch, kv head), the dK/dV plan's items; a
+    step gathers T tokens' group rows (T x G >= 16) and attends to the item's block alone, writing
+    each pair's normalised output and log2-sum-exp (fp32, -inf where the block shows the token
+    nothing) at the pair's place in the plan."""
+    seg_ref = refs[0] if st.has_segments else None
+    o_ref, lse_ref = refs[-2:]
+    width, head_dim = st.block_size, q_ref.shape[-1]
+    w = pl.program_id(0)
+    start = pl.multiple_of(item_block_ref[w] * width, width)
+    k, v = k_ref[pl.ds(start, width), :], v_ref[pl.ds(start, width), :]
+    cols = (start + jnp.arange(width))[None, :]
+    kv_seg = seg_ref[pl.ds(start, width)][None, :] if st.has_segments else None
+    lo, hi = item_lo_ref[w], item_hi_ref[w]
+    step_tokens = st.blocks.tokens_dkdv
+    rows = step_tokens * st.group
+    spread = lambda x: jnp.broadcast_to(x[:, None], (step_tokens, st.group)).reshape(rows)
+
+    def step(i, _):
+        first = lo + i * step_tokens
+        tok = tokens_ref[pl.ds(first, step_tokens)]  # the list is padded: never read past its end
+        q = q_ref[tok].reshape(rows, head_dim)
+        q_seg = spread(seg_ref[tok])[:, None] if st.has_segments else None
+        s = _dot(q, k, st, trans_b=True) * (st.scale * LOG2E)
+        s = jnp.where(_mask(st, spread(tok)[:, None], cols, q_seg, kv_seg), s, -jnp.inf)
+        m = s.max(axis=1)
+        m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees nothing: p = 0, never NaN
+        p = jnp.exp2(s - m_safe[:, None])
+        l = p.sum(axis=1)
+        empty = l == 0.0
+        o = _dot(p.astype(v.dtype), v, st) * jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))[:, None]
+        lse2 = jnp.where(empty, -jnp.inf, m_safe + jnp.log2(jnp.where(empty, 1.0, l)))
+        live = first + jnp.arange(step_tokens) < hi
+        places = _places(first, step_tokens)
+        plgpu.store(o_ref.at[places], o.reshape(step_tokens, st.group, head_dim), mask=live[:, None, None])
+        plgpu.store(lse_ref.at[places], lse2.reshape(step_tokens, st.group), mask=live[:, None])
+        return _
+
+    jax.lax.fori_loop(0, (hi - lo + step_tokens - 1) // step_tokens, step, 0)
+
+
+class _PairPlan:
+    """The transpose plan cut into work items (shared by the block-visiting forward and dK/dV):
+    the tokens of every key block (padded by a step so no step reads past the end), each pair's
+    place in them, and the items' block, token bounds, first item and item count per block."""
+
+    def __init__(self, st: _Static, blocks):
+        self.num_blocks = st.length // st.block_size
+        tokens, offsets, self.places = plan.transpose_plan(blocks[:, :st.seq_len], self.num_blocks)
+        self.tokens = padding.pad_axis(tokens, 2, tokens.shape[2] + st.blocks.tokens_dkdv)
+        self.num_items = self.num_blocks + pl.cdiv(self.tokens.shape[2], st.blocks.chunk_dkdv)
+        (self.item_block, self.item_lo, self.item_hi, self.item_first,
+         self.item_count) = _work_items(offsets, self.num_blocks, st.blocks.chunk_dkdv, self.num_items)
+        self.valid = blocks[:, :st.seq_len] >= 0  # [B, S, Hkv, n]
+
+    def specs(self):
+        """BlockSpecs of (item block, item lo, item hi, tokens) for a grid (item, batch, kv head)."""
+        item_spec = pl.BlockSpec((None, None, self.num_items), lambda w, b, h: (b, h, 0))
+        return [item_spec, item_spec, item_spec,
+                pl.BlockSpec((None, None, self.tokens.shape[2]), lambda w, b, h: (b, h, 0))]
+
+    def args(self):
+        return [self.item_block, self.item_lo, self.item_hi, self.tokens]
+
+    def by_token(self, x, st: _Static, fill):
+        """Per-pair values in the plan's order [B, Hkv, P, G, ...] -> [B, L, Hkv, n, G, ...] by token
+        and slot (`fill` where the slot holds no block, and on the padded tokens)."""
+        batch, heads, _, *rest = x.shape
+        n = self.valid.shape[3]
+        idx = self.places.reshape(batch, heads, -1, *([1] * len(rest)))
+        x = jnp.take_along_axis(x, idx, axis=2).reshape(batch, heads, st.seq_len, n, *rest)
+        valid = self.valid.transpose(0, 2, 1, 3).reshape(batch, heads, st.seq_len, n, *([1] * len(rest)))
+        x = jnp.moveaxis(jnp.where(valid, x, fill), 1, 2)
+        return jnp.pad(x, [(0, 0), (0, st.length - st.seq_len)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+
+
+def _fwd_blocks_call(st: _Static, q, k, v, blocks, seg):
+    """`_fwd_call` visiting by blocks: the pairs' partials, then per row their combination (the
+    split-softmax merge: weights exp2(lse_i - max), in a fixed order)."""
+    batch, length, kv_heads, group, head_dim = q.shape
+    pairs = _PairPlan(st, blocks)
+    seg_specs, seg_args = _seg_specs(st, seg)
+    width = pairs.tokens.shape[2]
+    q_all = pl.BlockSpec((None, length, None, group, head_dim), lambda w, b, h: (b, 0, h, 0, 0))
+    kv_all = pl.BlockSpec((None, length, None, head_dim), lambda w, b, h: (b, 0, h, 0))
+    o_spec = pl.BlockSpec((None, None, width, group, head_dim), lambda w, b, h: (b, h, 0, 0, 0))
+    lse_spec = pl.BlockSpec((None, None, width, group), lambda w, b, h: (b, h, 0, 0))
+    o_part, lse_part = pl.pallas_call(
+        functools.partial(_fwd_blocks_kernel, st=st),
+        grid=(pairs.num_items, batch, kv_heads),
+        in_specs=[*pairs.specs(), q_all, kv_all, kv_all, *seg_specs],
+        out_specs=[o_spec, lse_spec],
+        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, width, group, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, kv_heads, width, group), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps, num_stages=st.blocks.num_stages),
+        interpret=st.interpret, name="nsa_selection_fwd_blocks",
+    )(*pairs.args(), q, k, v, *seg_args)
+    lse_pairs = pairs.by_token(lse_part, st, -jnp.inf)  # [B, L, Hkv, n, G]
+    top = lse_pairs.max(axis=3)
+    empty = top == -jnp.inf
+    weight = jnp.exp2(lse_pairs - jnp.where(empty, 0.0, top)[:, :, :, None])
+    total = weight.sum(axis=3)
+    inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
+    out = (weight[..., None] * pairs.by_token(o_part, st, 0.0)).sum(axis=3) * inv_l[..., None]  # no TF32 dot
+    lse2 = jnp.where(empty, -jnp.inf, top + jnp.log2(jnp.where(empty, 1.0, total)))
+    stat = lambda x: x.transpose(0, 2, 1, 3)  # [B, L, Hkv, G] -> [B, Hkv, L, G]
+    # the backward's P = exp2(s2 - m2) * inv_l with m2 the row's whole log2-sum-exp (+inf: empty)
+    return (out.astype(q.dtype), stat(jnp.where(empty, jnp.inf, lse2)), stat(jnp.where(empty, 0.0, 1.0)),
+            stat(lse2 / LOG2E))
+
+
 # ----------------------------------------------------------------------------------------------
 # Backward. delta = rowsum(dO * O) - dlse (FA2 Alg. 2 line 4; minus dlse makes lse differentiable).
 # ----------------------------------------------------------------------------------------------
@@ -398,9 +531,10 @@ def _add_tile(acc, part, exact: bool):
     return acc + (part + acc * 0.0) if exact else acc + part
 
 
-def _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry):
+def _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry, take_ds=None):
     """One (key tile, query token) step of dK/dV: s = k q^T [keys, rows]; rows beyond the group
-    (repeated copies) carry inv_l = 0, so P = 0 there."""
+    (repeated copies) carry inv_l = 0, so P = 0 there. take_ds(ds) receives the step's dS (for the
+    pairs' dQ)."""
     dk, dv = carry
     s = _dot(k, q, st, trans_b=True) * (st.scale * LOG2E)
     p = jnp.where(mask, jnp.exp2(s - m2[None, :]) * inv_l[None, :], 0.0)
@@ -408,6 +542,8 @@ def _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry):
     dv = _add_tile(dv, _dot(p.astype(do.dtype), do, st), exact)
     dp = _dot(v, do, st, trans_b=True)
     ds = p * (dp - delta[None, :])
+    if take_ds is not None:
+        take_ds(ds)
     return _add_tile(dk, _dot(ds.astype(q.dtype), q, st), exact), dv
 
 
@@ -423,9 +559,11 @@ def _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref):
 def _dkdv_lists_kernel(item_block_ref, item_lo_ref, item_hi_ref, tokens_ref, q_ref, k_ref, v_ref, do_ref, m2_ref,
                        inv_l_ref, delta_ref, *refs, st: _Static):
     """One program per (work item, batch, kv head): an item is one key block and a chunk of the
-    tokens that selected it (`_work_items`); writes the chunk's dK/dV (fp32) for `_sum_items`."""
+    tokens that selected it (`_work_items`); writes the chunk's dK/dV (fp32) for `_sum_items` and,
+    visiting by blocks, every pair's dQ (fp32) at its place in the plan."""
     seg_ref = refs[0] if st.has_segments else None
     dk_ref, dv_ref = refs[-2:]
+    dq_ref = refs[-3] if st.by_blocks else None
     width, head_dim = dk_ref.shape
     w = pl.program_id(0)
     start = pl.multiple_of(item_block_ref[w] * width, width)
@@ -436,7 +574,7 @@ def _dkdv_lists_kernel(item_block_ref, item_lo_ref, item_hi_ref, tokens_ref, q_r
     lo, hi = item_lo_ref[w], item_hi_ref[w]
     step_tokens = st.blocks.tokens_dkdv
 
-    if step_tokens == 1:
+    if step_tokens == 1 and not st.by_blocks:
         def step(i, carry):
             t = tokens_ref[lo + i]
             rows = _token_rows(st, t, q_ref, do_ref, m2_ref, inv_l_ref, delta_ref)
@@ -457,7 +595,15 @@ def _dkdv_lists_kernel(item_block_ref, item_lo_ref, item_hi_ref, tokens_ref, q_r
             q_seg = spread(seg_ref[tok])[None, :] if st.has_segments else None
             mask = _mask(st, spread(tok)[None, :], cols[:, None], q_seg,
                          kv_seg[:, None] if st.has_segments else None)
-            return _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry)
+
+            def take_ds(ds):  # the pairs' dQ = dS^T K, at their places (the list's order)
+                dq = jax.lax.dot_general(ds.astype(k.dtype), k, (((0,), (0,)), ((), ())), precision=st.precision,
+                                         preferred_element_type=jnp.float32) * st.scale
+                live = first + jnp.arange(step_tokens) < hi
+                plgpu.store(dq_ref.at[_places(first, step_tokens)], dq.reshape(step_tokens, st.group, head_dim),
+                            mask=live[:, None, None])
+
+            return _dkdv_tile(st, k, v, q, do, m2, inv_l, delta, mask, carry, take_ds if st.by_blocks else None)
 
     carry = (jnp.zeros((width, head_dim), jnp.float32),) * 2
     dk, dv = jax.lax.fori_loop(0, (hi - lo + step_tokens - 1) // step_tokens, step, carry)
@@ -552,26 +698,33 @@ def _dkdv_ranges_kernel(ranges_ref, q_ref, k_ref, v_ref, do_ref, m2_ref, inv_l_r
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _dq_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
+    """dQ on the forward's tiling (visiting by tokens)."""
+    batch, length, kv_heads, group, head_dim = q.shape
+    tokens = st.blocks.tokens_dq
+    seg_specs, seg_args = _seg_specs(st, seg)
+    sel_specs, sel_args = _sel_args(st, sel, tokens)
+    q_spec = pl.BlockSpec((None, tokens, None, group, head_dim), lambda i, b, h: (b, i, h, 0, 0))
+    kv_spec = pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, h, 0))
+    stat_spec = pl.BlockSpec((None, None, tokens, group), lambda i, b, h: (b, h, i, 0))
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, st=st),
+        grid=(length // tokens, batch, kv_heads),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, stat_spec, *sel_specs, *seg_specs],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=st.blocks.num_warps_bwd, num_stages=st.blocks.num_stages_bwd),
+        interpret=st.interpret, name="nsa_selection_bwd_dq",
+    )(q, k, v, do, m2, inv_l, delta, *sel_args, *seg_args)
+
+
 def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
     batch, length, kv_heads, group, head_dim = q.shape
     width = st.block_size
     params = plgpu.CompilerParams(num_warps=st.blocks.num_warps_bwd, num_stages=st.blocks.num_stages_bwd)
     seg_specs, seg_args = _seg_specs(st, seg)
 
-    # dQ: the forward's tiling
-    tokens = st.blocks.tokens_dq
-    sel_specs, sel_args = _sel_args(st, sel, tokens)
-    q_spec = pl.BlockSpec((None, tokens, None, group, head_dim), lambda i, b, h: (b, i, h, 0, 0))
-    kv_spec = pl.BlockSpec((None, length, None, head_dim), lambda i, b, h: (b, 0, h, 0))
-    stat_spec = pl.BlockSpec((None, None, tokens, group), lambda i, b, h: (b, h, i, 0))
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, st=st),
-        grid=(length // tokens, batch, kv_heads),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, stat_spec, stat_spec, stat_spec, *sel_specs, *seg_specs],
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dq",
-    )(q, k, v, do, m2, inv_l, delta, *sel_args, *seg_args)
+    dq = None if st.by_blocks else _dq_call(st, q, k, v, sel, seg, do, m2, inv_l, delta)
 
     q_all = pl.BlockSpec((None, length, None, group, head_dim), lambda j, b, h: (b, 0, h, 0, 0))
     stat_all = pl.BlockSpec((None, None, length, group), lambda j, b, h: (b, h, 0, 0))
@@ -611,26 +764,28 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
         return dq, dk, dv
 
     # dK/dV of the block lists: the transpose plan, cut into work items of at most chunk_dkdv
-    # tokens; one program per item writes its partial dK/dV, a second kernel sums them per block
-    num_blocks = length // width
-    chunk = st.blocks.chunk_dkdv
-    tokens_list, offsets = plan.transpose_plan(sel[0][:, :st.seq_len], num_blocks)
-    tokens_list = padding.pad_axis(tokens_list, 2, tokens_list.shape[2] + st.blocks.tokens_dkdv)
-    num_items = num_blocks + pl.cdiv(tokens_list.shape[2], chunk)
-    item_block, item_lo, item_hi, item_first, item_count = _work_items(offsets, num_blocks, chunk, num_items)
-    item_spec = pl.BlockSpec((None, None, num_items), lambda w, b, h: (b, h, 0))
+    # tokens; one program per item writes its partial dK/dV (and, visiting by blocks, its pairs'
+    # dQ), a second kernel sums them per block
+    pairs = _PairPlan(st, sel[0])
+    num_blocks, num_items = pairs.num_blocks, pairs.num_items
     kv_all = pl.BlockSpec((None, length, None, head_dim), lambda w, b, h: (b, 0, h, 0))
     part_spec = pl.BlockSpec((None, None, None, width, head_dim), lambda w, b, h: (b, h, w, 0, 0))
     part_shape = jax.ShapeDtypeStruct((batch, kv_heads, num_items, width, head_dim), jnp.float32)
-    dk_part, dv_part = pl.pallas_call(
+    out_specs, out_shapes = [part_spec, part_spec], [part_shape, part_shape]
+    if st.by_blocks:
+        places = pairs.tokens.shape[2]
+        out_specs.insert(0, pl.BlockSpec((None, None, places, group, head_dim), lambda w, b, h: (b, h, 0, 0, 0)))
+        out_shapes.insert(0, jax.ShapeDtypeStruct((batch, kv_heads, places, group, head_dim), jnp.float32))
+    parts = pl.pallas_call(
         functools.partial(_dkdv_lists_kernel, st=st),
         grid=(num_items, batch, kv_heads),
-        in_specs=[item_spec, item_spec, item_spec,
-                  pl.BlockSpec((None, None, tokens_list.shape[2]), lambda w, b, h: (b, h, 0)),
-                  q_all, kv_all, kv_all, q_all, stat_all, stat_all, stat_all, *seg_specs],
-        out_specs=[part_spec, part_spec], out_shape=[part_shape, part_shape],
+        in_specs=[*pairs.specs(), q_all, kv_all, kv_all, q_all, stat_all, stat_all, stat_all, *seg_specs],
+        out_specs=out_specs, out_shape=out_shapes,
         compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv",
-    )(item_block, item_lo, item_hi, tokens_list, q, k, v, do, m2, inv_l, delta, *seg_args)
+    )(*pairs.args(), q, k, v, do, m2, inv_l, delta, *seg_args)
+    dk_part, dv_part = parts[-2:]
+    if st.by_blocks:  # every token's pairs' dQ, summed over its slots in slot order
+        dq = pairs.by_token(parts[0], st, 0.0).sum(axis=3).astype(q.dtype)
     block_spec = pl.BlockSpec((None, None, num_blocks), lambda j, b, h: (b, h, 0))
     parts_spec = pl.BlockSpec((None, None, num_items, width, head_dim), lambda j, b, h: (b, h, 0, 0, 0))
     dk, dv = pl.pallas_call(
@@ -639,7 +794,7 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
         in_specs=[block_spec, block_spec, parts_spec, parts_spec],
         out_specs=[kv_block, kv_block], out_shape=kv_shapes,
         compiler_params=params, interpret=st.interpret, name="nsa_selection_bwd_dkdv_sum",
-    )(item_first, item_count, dk_part, dv_part)
+    )(pairs.item_first, pairs.item_count, dk_part, dv_part)
     return dq, dk, dv
 
 
@@ -648,14 +803,18 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
 # ----------------------------------------------------------------------------------------------
 
 
+def _forward(st, q, k, v, sel, seg):
+    return _fwd_blocks_call(st, q, k, v, sel[0], seg) if st.by_blocks else _fwd_call(st, q, k, v, sel, seg)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _selection(st, q, k, v, sel, seg):
-    out, _, _, lse = _fwd_call(st, q, k, v, sel, seg)
+    out, _, _, lse = _forward(st, q, k, v, sel, seg)
     return out, lse
 
 
 def _selection_fwd(st, q, k, v, sel, seg):
-    out, m2, inv_l, lse = _fwd_call(st, q, k, v, sel, seg)
+    out, m2, inv_l, lse = _forward(st, q, k, v, sel, seg)
     return (out, lse), (q, k, v, sel, seg, out, m2, inv_l)
 
 
@@ -699,6 +858,10 @@ def selection_pallas(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=No
         config = dataclasses.replace(config, tokens_dkdv=auto)
     elif config.tokens_dkdv is None:
         config = dataclasses.replace(config, tokens_dkdv=tokens_for_group(group_pad, DKDV_ROWS, most=None))
+    visit = "tokens" if use_ranges else config.visit or ("blocks" if group_pad <= BLOCKS_VISIT_GROUP else "tokens")
+    config = dataclasses.replace(config, visit=visit)
+    if visit == "blocks" and config.tokens_dkdv == 1 and group_pad < MIN_BLOCK:  # every step gathers rows
+        config = dataclasses.replace(config, tokens_dkdv=MIN_BLOCK // group_pad)
     if config.tokens_dkdv > 1:  # gathered rows fill at least the smallest dot
         config = dataclasses.replace(config, tokens_dkdv=max(config.tokens_dkdv, MIN_BLOCK // group_pad))
     if ranges is None and block_size < MIN_BLOCK:
