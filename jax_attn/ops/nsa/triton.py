@@ -13,8 +13,14 @@ walks the key tiles of its disjoint ranges (`plan.disjoint_ranges`). A tile of f
 (the smallest dot) is padded in registers: its rows are repeated to 16 (the same dot a
 zero-padded tile costs, no copy of q in memory), and the copies are folded back before the store.
 
+Visiting by blocks (`NSABlockSizes.visit`, the default at small groups): the forward takes the
+dK/dV kernel's plan below instead, one program per (key block, chunk of the tokens that chose it),
+gathering several tokens' group rows a step; it writes every (token, block) pair's normalised
+output and lse, which XLA merges per token.
+
 Backward (FlashAttention-2 Alg. 2, recomputing P from the saved row max and 1 / row sum):
-- dQ: the forward's tiles and walk.
+- dQ: the forward's tiles and walk; visiting by blocks, every pair's dS^T K written by the dK/dV
+  kernel, summed per token.
 - dK/dV, lists: the TRANSPOSE plan (`plan.transpose_plan`: for every key block the query tokens
   that selected it, from a stable sort of (block, token) pairs in XLA), cut into work items of at
   most `chunk_dkdv` tokens of one block (block 0, which every token selects, would otherwise be
@@ -53,8 +59,8 @@ warnings.filterwarnings(
 MAX_TOKENS = 16  # tokens of a forward / dQ tile: one bit each in the union's int32 masks
 SCAN_ROWS = 64  # rows of a ranges tile scanning its tokens' key tiles (GPU)
 DKDV_ROWS = 64  # rows of a block-list dK/dV step gathering its tokens' group rows (GPU default)
-RANGES_DKDV_PROGRAMS = 256
-BLOCKS_VISIT_GROUP = 4  # groups up to this many query heads visit the pairs by blocks by default  # the ranges dK/dV splits its token walk until about this many programs
+RANGES_DKDV_PROGRAMS = 256  # the ranges dK/dV splits its token walk until about this many programs
+BLOCKS_VISIT_GROUP = 4  # groups up to this many query heads visit the pairs by blocks by default
 
 
 @dataclasses.dataclass(frozen=True)
