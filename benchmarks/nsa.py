@@ -19,10 +19,11 @@ Columns:
                  kernels, the flash engine for the compression and window branches); gates 0.5
     selection    jax_attn.selection_attention alone on a fixed NSA-like selection (block 0, the
                  two local blocks, 13 random blocks within the frontier)
-    selection_step1  the same with NSABlockSizes(tokens_dkdv=1): dK/dV steps one token's group rows
-                 at a time (the default gathers about 64 rows of several tokens into one tile)
-    selection_wide the same with forward / dQ tiles of about 64 rows (tokens x heads) walking
-                 the union of their tokens' blocks (the default: 16 rows, one token at 16 heads)
+    selection_step1  the same visiting by tokens (NSABlockSizes(visit="tokens"), the default
+                 above 4 heads a kv head, by blocks up to it) with dK/dV steps of one token's
+                 group rows (tokens_dkdv=1; the default gathers about 64 rows of several tokens)
+    selection_wide the same visiting by tokens with forward / dQ tiles of about 64 rows (tokens x
+                 heads) walking the union of their tokens' blocks (the default: 16 rows)
     fla          fla-org's parallel_nsa (torch), where it imports and takes the case (it needs
                  16+ query heads per kv head; compression 64/64 is its own)
     cudnn        jax.nn.dot_product_attention(implementation="cudnn"), full causal (dense rows)
@@ -192,13 +193,13 @@ def selection_column(config=None):
 
 def _one_token_steps(case):
     import jax_attn
-    return jax_attn.NSABlockSizes(tokens_dkdv=1)
+    return jax_attn.NSABlockSizes(tokens_dkdv=1, visit="tokens")
 
 
 def _wide_tiles(case):
     import jax_attn
     tokens = max(1, min(16, 64 // (case.H // case.Hkv)))
-    return jax_attn.NSABlockSizes(tokens=tokens, tokens_dq=tokens)
+    return jax_attn.NSABlockSizes(tokens=tokens, tokens_dq=tokens, visit="tokens")
 
 
 def cudnn_column(case, opts):
