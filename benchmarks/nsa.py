@@ -198,7 +198,9 @@ def _one_token_steps(case):
 
 def _wide_tiles(case):
     import jax_attn
-    tokens = max(1, min(16, 64 // (case.H // case.Hkv)))
+    from attn_spec.tiles import pow2_at_least
+    from jax_attn.ops.nsa.triton import tokens_for_group
+    tokens = tokens_for_group(pow2_at_least(case.H // case.Hkv, 1), 64)
     return jax_attn.NSABlockSizes(tokens=tokens, tokens_dq=tokens, visit="tokens")
 
 

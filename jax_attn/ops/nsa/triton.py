@@ -435,10 +435,25 @@ def _fwd_blocks_kernel(item_block_ref, item_lo_ref, item_hi_ref, tokens_ref, q_r
     jax.lax.fori_loop(0, (hi - lo + step_tokens - 1) // step_tokens, step, 0)
 
 
+@jax.tree_util.register_pytree_node_class
 class _PairPlan:
     """The transpose plan cut into work items (shared by the block-visiting forward and dK/dV):
     the tokens of every key block (padded by a step so no step reads past the end), each pair's
-    place in them, and the items' block, token bounds, first item and item count per block."""
+    place in them, and the items' block, token bounds, first item and item count per block. A
+    pytree: the block-visiting forward saves it for the backward."""
+
+    _ARRAYS = ("tokens", "places", "item_block", "item_lo", "item_hi", "item_first", "item_count", "valid")
+
+    def tree_flatten(self):
+        return tuple(getattr(self, name) for name in self._ARRAYS), (self.num_blocks, self.num_items)
+
+    @classmethod
+    def tree_unflatten(cls, sizes, arrays):
+        plan_ = object.__new__(cls)
+        plan_.num_blocks, plan_.num_items = sizes
+        for name, x in zip(cls._ARRAYS, arrays):
+            setattr(plan_, name, x)
+        return plan_
 
     def __init__(self, st: _Static, blocks):
         self.num_blocks = st.length // st.block_size
@@ -470,11 +485,10 @@ class _PairPlan:
         return jnp.pad(x, [(0, 0), (0, st.length - st.seq_len)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
 
 
-def _fwd_blocks_call(st: _Static, q, k, v, blocks, seg):
+def _fwd_blocks_call(st: _Static, q, k, v, pairs: _PairPlan, seg):
     """`_fwd_call` visiting by blocks: the pairs' partials, then per row their combination (the
     split-softmax merge: weights exp2(lse_i - max), in a fixed order)."""
     batch, length, kv_heads, group, head_dim = q.shape
-    pairs = _PairPlan(st, blocks)
     seg_specs, seg_args = _seg_specs(st, seg)
     width = pairs.tokens.shape[2]
     q_all = pl.BlockSpec((None, length, None, group, head_dim), lambda w, b, h: (b, 0, h, 0, 0))
@@ -724,7 +738,7 @@ def _dq_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
     )(q, k, v, do, m2, inv_l, delta, *sel_args, *seg_args)
 
 
-def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
+def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta, pairs: _PairPlan | None):
     batch, length, kv_heads, group, head_dim = q.shape
     width = st.block_size
     params = plgpu.CompilerParams(num_warps=st.blocks.num_warps_bwd, num_stages=st.blocks.num_stages_bwd)
@@ -772,7 +786,7 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
     # dK/dV of the block lists: the transpose plan, cut into work items of at most chunk_dkdv
     # tokens; one program per item writes its partial dK/dV (and, visiting by blocks, its pairs'
     # dQ), a second kernel sums them per block
-    pairs = _PairPlan(st, sel[0])
+    pairs = _PairPlan(st, sel[0]) if pairs is None else pairs  # the forward's, visiting by blocks
     num_blocks, num_items = pairs.num_blocks, pairs.num_items
     kv_all = pl.BlockSpec((None, length, None, head_dim), lambda w, b, h: (b, 0, h, 0))
     part_spec = pl.BlockSpec((None, None, None, width, head_dim), lambda w, b, h: (b, h, w, 0, 0))
@@ -810,25 +824,29 @@ def _bwd_call(st: _Static, q, k, v, sel, seg, do, m2, inv_l, delta):
 
 
 def _forward(st, q, k, v, sel, seg):
-    return _fwd_blocks_call(st, q, k, v, sel[0], seg) if st.by_blocks else _fwd_call(st, q, k, v, sel, seg)
+    """(out, m2, inv_l, lse, the pair plan visiting by blocks, else None)."""
+    if not st.by_blocks:
+        return *_fwd_call(st, q, k, v, sel, seg), None
+    pairs = _PairPlan(st, sel[0])
+    return *_fwd_blocks_call(st, q, k, v, pairs, seg), pairs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _selection(st, q, k, v, sel, seg):
-    out, _, _, lse = _forward(st, q, k, v, sel, seg)
+    out, _, _, lse, _ = _forward(st, q, k, v, sel, seg)
     return out, lse
 
 
 def _selection_fwd(st, q, k, v, sel, seg):
-    out, m2, inv_l, lse = _forward(st, q, k, v, sel, seg)
-    return (out, lse), (q, k, v, sel, seg, out, m2, inv_l)
+    out, m2, inv_l, lse, pairs = _forward(st, q, k, v, sel, seg)
+    return (out, lse), (q, k, v, sel, seg, out, m2, inv_l, pairs)
 
 
 def _selection_bwd(st, residuals, cotangents):
-    q, k, v, sel, seg, out, m2, inv_l = residuals
+    q, k, v, sel, seg, out, m2, inv_l, pairs = residuals
     do, dlse = cotangents
     delta = jnp.einsum("blhgd,blhgd->bhlg", out.astype(jnp.float32), do.astype(jnp.float32)) - dlse
-    dq, dk, dv = _bwd_call(st, q, k, v, sel, seg, do.astype(q.dtype), m2, inv_l, delta)
+    dq, dk, dv = _bwd_call(st, q, k, v, sel, seg, do.astype(q.dtype), m2, inv_l, delta, pairs)
     return dq, dk, dv, None, None
 
 
@@ -866,9 +884,7 @@ def selection_pallas(q, k, v, *, blocks=None, counts=None, ranges=None, q_ids=No
         config = dataclasses.replace(config, tokens_dkdv=tokens_for_group(group_pad, DKDV_ROWS, most=None))
     visit = "tokens" if use_ranges else config.visit or ("blocks" if group_pad <= BLOCKS_VISIT_GROUP else "tokens")
     config = dataclasses.replace(config, visit=visit)
-    if visit == "blocks" and config.tokens_dkdv == 1 and group_pad < MIN_BLOCK:  # every step gathers rows
-        config = dataclasses.replace(config, tokens_dkdv=MIN_BLOCK // group_pad)
-    if config.tokens_dkdv > 1:  # gathered rows fill at least the smallest dot
+    if config.tokens_dkdv > 1 or visit == "blocks":  # gathered rows (every step, by blocks) fill a dot
         config = dataclasses.replace(config, tokens_dkdv=max(config.tokens_dkdv, MIN_BLOCK // group_pad))
     if ranges is None and block_size < MIN_BLOCK:
         # a dot needs 16 keys: lists of smaller blocks are walked as their ranges (disjoint: the
